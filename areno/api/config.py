@@ -249,7 +249,8 @@ def absolute_code_paths(config: ArenoConfig) -> ArenoConfig:
     """``config`` (changed in place) with the files of its user code made absolute from the working
     directory (``reward.fn``, ``rollout.workflow``, ``train.algorithm`` as ``./file.py:name``), so
     processes started elsewhere (Ray, SLURM, a reward sandbox in its own directory) import the same
-    code. ``load_config`` calls it (``areno eval`` starts reward sandboxes), and ``absolute_paths``."""
+    code; a null ``reward.fn`` becomes the function(s) it stands for. ``load_config`` calls it (``areno eval`` starts reward sandboxes), and ``absolute_paths``."""
+    config.reward.resolve_fn()  # a section set to null after construction
     for key in CODE_PATH_KEYS:
         section, _, name = key.partition(".")
         owner = getattr(config, section)
@@ -257,7 +258,7 @@ def absolute_code_paths(config: ArenoConfig) -> ArenoConfig:
     return config
 
 
-FILE_PATH_KEYS = ("run_dir", "model.path", "data.train_path", "data.eval_path")
+FILE_PATH_KEYS = ("run_dir", "model.path", "data.train_path", "data.eval_path", "reward.model")
 """The settings that name a file or directory, which ``absolute_paths`` makes absolute (and, in
 ``train.algorithm_kwargs``, every key ending in ``_path``)."""
 CODE_PATH_KEYS = ("reward.fn", "rollout.workflow", "train.algorithm")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
 import logging
 import os
 import pickle
@@ -42,6 +43,7 @@ from areno.engine.config import (
     RewardSection,
     RolloutSection,
     build_train_backend_config,
+    check_eval_reward,
     check_offline_rollout,
     field_default,
     has_held_out_rows,
@@ -52,7 +54,7 @@ from areno.engine.roles import check_partitioned_roles, places_roles, role_alloc
 from areno.errors import ConfigError, DataError, ModelDirError
 from areno.launch.allocation import resolve_roles
 from areno.models.checkpoint_dirs import STEP_DIR, newest_checkpoint
-from areno.models.config import ModelConfig
+from areno.models.config import SEQUENCE_CLASSIFIER_SUFFIX, ModelConfig
 from areno.models.hf_io import (
     check_tiny_arguments,
     missing_model_dir,
@@ -73,6 +75,7 @@ from areno.specializations import (
     ModelSpecialization,
     RewardModelSpecialization,
     ScalarScorerSpecialization,
+    SequenceScorerSpecialization,
 )
 from areno.train import checkpoint
 from areno.workflows.base import (
@@ -349,7 +352,7 @@ def check_reward(config: ArenoConfig) -> None:
         return
     for key in ("memory_mb", "cpu_s", "workers", "allow_network"):
         if getattr(section, key) != field_default(RewardSection, key):
-            safe = section.fn if isinstance(section.fn, str) else "every function of reward.fn"
+            safe = section.paths()[0] if len(section.paths()) == 1 else "every function of reward.fn"
             how = "reward.sandbox=false" if section.sandbox is False else f"{safe} is cheap and safe in-process"
             raise ConfigError(
                 f"reward.{key} bounds the reward's sandbox workers, but the reward runs in this process ({how}): "
@@ -360,6 +363,8 @@ def check_reward(config: ArenoConfig) -> None:
 def check_held_out(config: ArenoConfig) -> None:
     """What evaluates held-out rows has some: the background test rollout, the best checkpoint's figure."""
     data = config.data
+    if has_held_out_rows(data) and resolve_recipe(config).online:
+        check_eval_reward(config.reward, "held-out evaluation")
     if config.train.best_metric is not None and not has_held_out_rows(data):
         raise ConfigError(
             f"train.best_metric={config.train.best_metric}: the run has no held-out rows to evaluate: set "
@@ -832,9 +837,15 @@ def check_path_options(config: ArenoConfig, recipe: TrainingConfig) -> None:
                     f"{key}: {role.model_path} has no config.json: point it at a Hugging Face model directory "
                     "(a run's checkpoints/step_N/hf)"
                 )
+        if issubclass(role.specialization_cls, SequenceScorerSpecialization) and role.model_path:
+            check_sequence_classifier(
+                path_setting(config, role.model_path, f"role {role.name!r}"), Path(role.model_path)
+            )
         if not issubclass(role.specialization_cls, ScalarScorerSpecialization):
             continue
         head, head_path = role.init_kwargs.get("head", "reward_model"), role.init_kwargs.get("head_path")
+        if head == "reward_model" and head_path and (Path(head_path) / "config.json").is_file():
+            check_sequence_classifier(path_setting(config, head_path, f"role {role.name!r} head_path"), Path(head_path))
         if not head_path:
             raise ConfigError(
                 f"role {role.name!r} (ScalarScorerSpecialization, head={head}) has no head_path, the checkpoint "
@@ -844,6 +855,25 @@ def check_path_options(config: ArenoConfig, recipe: TrainingConfig) -> None:
             key = path_setting(config, head_path, f"role {role.name!r} head_path")
             check_critic_path_option(key, Path(head_path))
             check_critic_shape(key, Path(head_path), run_model_config(config))
+
+
+def check_sequence_classifier(key: str, path: Path) -> None:
+    """A ModelDirError, before any model loads, where the reward model at ``path`` (setting ``key``) is not a
+    transformers sequence classifier with one label (``*ForSequenceClassification``, ``num_labels=1``): a
+    causal LM has no score head, and several labels are no scalar reward."""
+    hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    architectures = hf.get("architectures") or []
+    made = "train one with train.algorithm=reward_model (its checkpoints/step_N/hf), or save it with transformers' AutoModelForSequenceClassification(num_labels=1)"
+    if not any(str(a).endswith(SEQUENCE_CLASSIFIER_SUFFIX) for a in architectures):
+        raise ModelDirError(
+            f"{key}: {path} is a {', '.join(map(str, architectures)) or 'model without architectures'} checkpoint, not "
+            f"a reward model (*{SEQUENCE_CLASSIFIER_SUFFIX}, one label): {made}"
+        )
+    labels = len(hf["id2label"]) if isinstance(hf.get("id2label"), dict) else hf.get("num_labels", 2)
+    if labels != 1:
+        raise ModelDirError(
+            f"{key}: {path} is a classifier of {labels} labels; a reward is one score (num_labels=1): {made}"
+        )
 
 
 SCORER_HEAD_SOURCES = {
@@ -956,6 +986,8 @@ def path_setting(config: ArenoConfig, value: str, fallback: str) -> str:
     for key, given in config.train.algorithm_kwargs.items():
         if given == value:
             return f"train.algorithm_kwargs.{key}"
+    if config.reward.model is not None and value == config.reward.model:
+        return "reward.model"
     return fallback
 
 

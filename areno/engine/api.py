@@ -56,7 +56,7 @@ from areno.models.checkpoint_dirs import newest_checkpoint
 from areno.models.hf_io import init_model_dir, missing_model_dir, read_config, tiny_config
 from areno.models.vision import ImageInputs, VisionConfig
 from areno.recipes import TRAINING_CONFIGS, get_recipe
-from areno.recipes.config import TrainingConfig
+from areno.recipes.config import ModelRole, RewardSync, TrainingConfig
 from areno.recipes.registry import resolve_name
 from areno.rewards.combined import part_names
 from areno.rewards.loader import (
@@ -70,6 +70,7 @@ from areno.rollout.store import InProcessStore, fetch_refs, release_refs
 from areno.specializations.actor import ActorConfig, ActorSpecialization
 from areno.specializations.base import RUN_SET_OPTIONS, takes_option
 from areno.specializations.preference import PAIRWISE_SPECIALIZATIONS, DPOSpecialization, pair_metrics
+from areno.specializations.scorer import SequenceScorerSpecialization
 from areno.train import checkpoint
 from areno.types import ROUTES_KEY, RolloutBatch, SamplingParams, TokenBatch, Trajectory, join_flat
 from areno.workflows.base import ENGINE_ARGUMENTS, NONFINITE_REWARD_KEY, RolloutWorkflow, load_workflow, routes_dropped
@@ -347,6 +348,8 @@ def resolve_recipe(config: ArenoConfig):
             )
             raise ConfigError(f"train.algorithm_kwargs.{key}: set by the run, not the recipe: {why}: drop it")
     recipe = get_recipe(name, policy_kwargs=policy_kwargs)
+    if config.reward.model is not None and not recipe.online:
+        with_reward_model(recipe, config)  # refuses
     if not recipe.online:
         return recipe
     length = options.get("max_completion_length")
@@ -357,9 +360,61 @@ def resolve_recipe(config: ArenoConfig):
     _warn_lengths(recipe, policy_kwargs, config.rollout.max_new_tokens)
     if config.rollout.temperature > 0:
         recipe = _at_temperature(recipe, config.rollout.temperature)
+    if config.reward.model is not None:
+        recipe = with_reward_model(recipe, config)
     if recipe.policy_role.init_kwargs.get("advantage_estimator") == "gdpo":
         recipe = _with_reward_weights(recipe, config)
     return recipe
+
+
+REWARD_MODEL_ROLE = "reward_model"
+"""The frozen role ``reward.model`` adds to a recipe."""
+
+
+def with_reward_model(recipe: TrainingConfig, config: ArenoConfig) -> TrainingConfig:
+    """``recipe`` with ``reward.model`` as the frozen role ``reward_model`` (``SequenceScorerSpecialization``),
+    whose score of each sequence, times ``reward.model_weight``, a ``RewardSync`` adds to the rewards before
+    training. A one-line ConfigError where the recipe trains on no reward, or where something decides on
+    the rollout side's rewards before the model has scored (dynamic sampling's further rounds, ``gdpo``'s
+    per-function normalisation)."""
+    key = "reward.model"
+    if not recipe.online:
+        raise ConfigError(
+            f"{key}: train.algorithm={recipe.name} trains offline on dataset rows, which no reward scores: unset "
+            f"{key}, or use an online recipe (grpo, ppo, ...)"
+        )
+    if REWARD_MODEL_ROLE in (r.name for r in recipe.roles):
+        raise ConfigError(f"{key}: recipe {recipe.name} has a role named {REWARD_MODEL_ROLE!r} already")
+    spec = recipe.policy_role.build()
+    if isinstance(spec, ActorSpecialization):
+        options = spec.config
+        if options.advantage_estimator == "gdpo":
+            raise ConfigError(
+                f"{key}: advantage_estimator=gdpo normalises each function of reward.fn on its own, and the reward "
+                "model's score is added to their sum on the training side: use advantage_estimator=grpo"
+            )
+        if options.dynamic_sampling and options.dynamic_sampling_max_rounds != 1:
+            raise ConfigError(
+                f"{key}: dynamic sampling's further rounds (dynamic_sampling_max_rounds="
+                f"{options.dynamic_sampling_max_rounds}) judge groups by the rollout's rewards, before the reward "
+                "model scores them on the training side: set train.algorithm_kwargs.dynamic_sampling_max_rounds=1 "
+                "(training then drops the groups whose rewards, the model's score included, are all equal)"
+            )
+    roles = (
+        *recipe.roles,
+        ModelRole(
+            name=REWARD_MODEL_ROLE,
+            specialization_cls=SequenceScorerSpecialization,
+            trainable=False,
+            model_path=config.reward.model,
+            init_kwargs={"head_path": config.reward.model},
+        ),
+    )
+    sync = RewardSync(source=REWARD_MODEL_ROLE, weight=config.reward.model_weight)
+    try:
+        return dataclasses.replace(recipe, roles=roles, reward_syncs=(*recipe.reward_syncs, sync))
+    except ConfigError as exc:  # the recipe's roles train on no reward
+        raise ConfigError(f"{key}: train.algorithm={recipe.name}: {exc}") from None
 
 
 def _with_reward_weights(recipe: TrainingConfig, config: ArenoConfig) -> TrainingConfig:
@@ -1201,7 +1256,7 @@ class ArenoEngine:
             )
         raise RewardsFailing(
             f"every reward call of the last {REWARD_FAILED_BATCHES} rollout batches failed (step {rollout_id + 1}; "
-            f"last: {last}): fix reward.fn ({self.config.reward.fn}); the run stopped rather than train on "
+            f"last: {last}): fix reward.fn ({', '.join(self.config.reward.paths())}); the run stopped rather than train on "
             "zero rewards"
         )
 

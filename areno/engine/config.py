@@ -235,15 +235,20 @@ class DataSection(ConfigSection):
 FLOAT32_MAX = 3.4028234663852886e38
 """The largest float32: rewards train as float32 tensors."""
 
+DEFAULT_REWARD_FN = "areno.rewards.tasks:exact_match"
+"""``reward.fn`` when the config names none and sets no ``reward.model``."""
+
 
 @dataclass(kw_only=True)
 class RewardSection(ConfigSection):
     _KEY = "reward"
 
-    fn: str | list[str] = "areno.rewards.tasks:exact_match"
+    fn: str | list[str] | None = None
     """Dotted path `module:function` (or `./file.py:function`) of the reward: fn(prompt, completion,
     answer, **row) -> float; or a list of such paths (TRL's `reward_funcs`), scored as the weighted sum of
-    their scores (`weights`), each function's own score logged as the figure `rollout/reward/<name>_mean`."""
+    their scores (`weights`), each function's own score logged as the figure `rollout/reward/<name>_mean`.
+    null = `areno.rewards.tasks:exact_match` (exact match against the row's answer), or none with `model`
+    set (the model's score is then the whole reward); `[]` = no function (only with `model`)."""
     weights: list[float] | None = None
     """One finite weight per function of `fn`, in its order (TRL's `reward_weights`): the reward is the
     weighted sum of the functions' scores, which the advantage estimator then normalises as any reward
@@ -268,6 +273,14 @@ class RewardSection(ConfigSection):
     allow_network: bool = True
     """Let reward workers open sockets (LLM-judge rewards need it); false cuts them off (network
     namespace where the kernel allows it). Candidate programs of code execution never have network."""
+    model: str | None = None
+    """A reward model: a local Hugging Face `*ForSequenceClassification` directory with one label (a
+    `reward_model` run's `checkpoints/step_N/hf`, or one transformers saved) and the policy's tokenizer. It
+    runs on the training devices as the frozen role `reward_model` and scores each prompt + completion at its
+    last token; `model_weight` times that score is added to the reward of `fn` before the advantages (TRL's
+    reward model in `reward_funcs`). Held-out evaluation still scores with `fn` alone."""
+    model_weight: float = 1.0
+    """The weight of `model`'s score in the reward (finite, nonzero)."""
 
     def __post_init__(self) -> None:
         # a function object: the obvious thing to try from Python, which cannot reach sandbox processes
@@ -283,7 +296,21 @@ class RewardSection(ConfigSection):
         if self.weights is not None:  # an int from Python is the same weight: written back as YAML's float
             self.weights = [float(w) for w in self.weights]
         _check_finite(self, "reward")
-        check_config(bool(self.paths()), "reward.fn", "names no function: give one path, or a list of them")
+        check_config(
+            bool(self.paths()) or self.model is not None,
+            "reward.fn",
+            "names no function: give one path, or a list of them, or set reward.model to score with a reward model",
+        )
+        check_config(
+            self.model is None or bool(str(self.model).strip()),
+            "reward.model",
+            "is empty: give a reward model's directory, or null for none",
+        )
+        check_config(
+            math.isfinite(self.model_weight) and self.model_weight != 0 and abs(self.model_weight) <= FLOAT32_MAX,
+            "reward.model_weight",
+            f"must be a finite nonzero number, got {self.model_weight}",
+        )
         for key, path in zip(self.fn_keys(), self.paths()):
             check_config(":" in path or "." in path, key, f"must be a dotted path like 'pkg.mod:func', got {path!r}")
         if self.weights is not None:
@@ -317,8 +344,19 @@ class RewardSection(ConfigSection):
         check_config(self.workers >= 1, "reward.workers", f"must be >= 1, got {self.workers}")
 
     def paths(self) -> list[str]:
-        """The paths ``fn`` names: its entries when a list, else itself."""
+        """The paths ``fn`` names: its entries when a list, else itself; null: ``DEFAULT_REWARD_FN``, or none with
+        ``model`` set (the model's score alone)."""
+        if self.fn is None:
+            return [] if self.model is not None else [DEFAULT_REWARD_FN]
         return list(self.fn) if isinstance(self.fn, (list, tuple)) else [self.fn]
+
+    def resolve_fn(self) -> None:
+        """A null ``fn`` made what it stands for (``paths``): the config written to config.yaml, and a resume's
+        comparison with it, then name the function(s) that ran. The whole config does it, not this section,
+        whose defaults OmegaConf's schema reads before ``model`` is merged in."""
+        if self.fn is None:
+            paths = self.paths()
+            self.fn = paths[0] if len(paths) == 1 else paths
 
     def several(self) -> bool:
         """Whether ``fn`` lists more than one function: a failure then costs one function's part, not the reward."""
@@ -965,6 +1003,7 @@ class ArenoConfig(ConfigSection):
             f"must be auto, true or false, got {self.resume!r}",
         )
         self.rollout.backend = resolve_rollout_backend(self.rollout.backend, self.cluster.allocation_mode)
+        self.reward.resolve_fn()
         # with train.epochs the steps are counted from the data (checked_config), then checked again
         last = self.train.steps if self.train.steps is not None else float("inf")
         outside = [s for s in self.observe.profile_steps if not 1 <= s <= last]
@@ -1215,6 +1254,18 @@ def has_held_out_rows(data: DataSection) -> bool:
     """Whether a run of ``data`` holds out rows to evaluate: a shipped task's ``num_eval``, or the first
     ``num_eval`` of ``eval_path``'s (a ``train_path`` alone gives none)."""
     return data.num_eval > 0 and (data.task is not None or data.eval_path is not None)
+
+
+def check_eval_reward(reward: RewardSection, what: str) -> None:
+    """A ConfigError where ``what`` (held-out evaluation, ``areno eval``) would score completions with a
+    ``reward.fn`` that names no function (``reward.model`` alone: it scores the training batches only)."""
+    if reward.paths():
+        return
+    raise ConfigError(
+        f"{what} scores completions with reward.fn, which names no function (reward.model scores the training "
+        "batches only): set reward.fn to a function to score the held-out rows with (reward.fn=[f] with "
+        "reward.weights=[0] scores them without adding to the training reward), or set data.num_eval=0"
+    )
 
 
 def offline_unused_rollout_keys(config: ArenoConfig, *, generates: bool = True) -> tuple[str, ...]:

@@ -27,7 +27,7 @@ from typing import Any
 
 from areno.data.datasets import PAIR_KEYS, build_splits, held_out_files, several_held_out_files, source_names
 from areno.engine.api import load_tokenizer, prepare_model_dir, resolve_device, resolve_recipe, trains_on_pairs
-from areno.engine.config import ArenoConfig
+from areno.engine.config import ArenoConfig, check_eval_reward
 from areno.engine.host import apply_host_settings
 from areno.engine.local import LocalRolloutSide
 from areno.engine.rollout_side import RolloutSide
@@ -261,6 +261,7 @@ def run_eval(
         )
     base_seed = config.train.seed if options.seed is None else options.seed
     # several held-out files: each one's figures too, over the rows kept of it
+    check_eval_reward(config.reward, "areno eval")
     rows, sources = _rows_and_sources(config, options.split, options.num_prompts)
     _check_generates(config, rows)
     if params.temperature > 0:

@@ -52,6 +52,11 @@ REWARD_PARTS_PREFIX = "rollout/reward/"
 SCORED_REWARD_KEY = "rollout/scored_reward_mean"
 """Every scored sample's reward where dynamic sampling filters groups (``REWARD_KEY`` then covers the kept ones,
 whose rewards vary by construction): the reward the console, the curve and the report show where it is logged."""
+MODEL_REWARD_KEY = "train/reward_model/reward_mean"
+"""The reward the step trained on with ``reward.model``: ``reward.fn``'s plus the weighted model score (the rollout's
+``REWARD_KEY`` holds ``reward.fn``'s alone): the reward the console, the curve and the report show where logged."""
+MODEL_SCORE_KEY = "train/reward_model/score_mean"
+"""The reward model's mean score of the step's batch (unweighted): the console's ``model`` part of the reward."""
 COMPLETION_LEN_KEY = "rollout/completion_len_mean"
 POLICY_LOSS_KEY = "train/policy/loss"
 """The policy's loss (the NLL of ``sft``, the actor loss of an RL recipe): the console's ``loss``;
@@ -199,8 +204,12 @@ def _format_number(value: float) -> str:
 
 
 def step_reward(metrics: Mapping[str, Number]) -> Number | None:
-    """The reward shown for a step: ``SCORED_REWARD_KEY`` where logged, else ``REWARD_KEY`` (None: neither)."""
-    return metrics.get(SCORED_REWARD_KEY, metrics.get(REWARD_KEY))
+    """The reward shown for a step: ``MODEL_REWARD_KEY`` where logged, else ``SCORED_REWARD_KEY``, else
+    ``REWARD_KEY`` (None: none of them)."""
+    for key in (MODEL_REWARD_KEY, SCORED_REWARD_KEY):
+        if key in metrics:
+            return metrics[key]
+    return metrics.get(REWARD_KEY)
 
 
 def step_loss(metrics: Mapping[str, Number]) -> Number | None:
@@ -311,7 +320,11 @@ class ConsoleSink(MetricSink):
     def _parts(self, metrics: Mapping[str, Number]) -> str:
         """`` (name mean, ...)`` of the reward's functions logged this step ('' for one function)."""
         parts = [(n, metrics.get(f"{REWARD_PARTS_PREFIX}{n}_mean")) for n in self.reward_parts]
-        if not parts or any(v is None for _, v in parts):  # a workflow that scores outside ascore_reward logs none
+        if any(v is None for _, v in parts):  # a workflow that scores outside ascore_reward logs none
+            parts = []
+        if MODEL_SCORE_KEY in metrics:  # reward.model's score, unweighted, beside reward.fn's
+            parts.append(("model", metrics[MODEL_SCORE_KEY]))
+        if not parts:
             return ""
         kept = "kept: " if SCORED_REWARD_KEY in metrics else ""
         return f" ({kept}{', '.join(f'{n} {_format_number(v)}' for n, v in parts)})"

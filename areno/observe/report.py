@@ -24,7 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from areno.errors import DataError, UserError
-from areno.observe.metrics import METRICS_FILENAME, POLICY_SYNC_PREFIX, REWARD_KEY, SCORED_REWARD_KEY, read_metrics
+from areno.observe.metrics import (
+    METRICS_FILENAME,
+    MODEL_REWARD_KEY,
+    POLICY_SYNC_PREFIX,
+    REWARD_KEY,
+    SCORED_REWARD_KEY,
+    read_metrics,
+)
 from areno.observe.session import format_session, load_sessions
 from areno.observe.trace import MERGED_FILENAME, TRACES_DIRNAME, load_trace_events, span_stats
 
@@ -139,7 +146,7 @@ PANELS: tuple[Panel, ...] = (
         # the batch's reward means: the sandbox's counters and call times are not rewards
         _match(
             lambda k: (
-                k == SCORED_REWARD_KEY
+                k in (SCORED_REWARD_KEY, MODEL_REWARD_KEY, "train/reward_model/score_mean")
                 or k.startswith("rollout/reward/")  # the figures a reward function returns beside its score
                 or (k.startswith("rollout/") and _leaf(k).startswith("reward") and _leaf(k).endswith("_mean"))
             )
@@ -311,7 +318,7 @@ def summarize(run: Run) -> dict[str, Any]:
         values = run.series(key)[1]
         return max(values) if values else None
 
-    rewards = run.series(SCORED_REWARD_KEY)[1] or run.series(REWARD_KEY)[1]
+    rewards = run.series(MODEL_REWARD_KEY)[1] or run.series(SCORED_REWARD_KEY)[1] or run.series(REWARD_KEY)[1]
     return {
         "run": run.name,
         "steps": max(steps) if steps else 0,

@@ -159,6 +159,28 @@ class DataSync:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RewardSync:
+    """A frozen role's score of each sequence added to the step's rewards: before any role's
+    ``prepare_batch``, the batch's ``rewards_B`` becomes ``rewards_B + weight * scores_B`` with ``scores_B``
+    the source's per-sequence output ``key`` (a reward model's head at each sequence's last token), so the
+    advantages, a critic's returns and the filters all read the same reward. ``reward.model`` adds one
+    (``areno.engine.api.resolve_recipe``)."""
+
+    source: str
+    """The frozen role that scores (``reward_model``)."""
+    key: str = "scores_B"
+    """Its per-sequence output (``_B``)."""
+    weight: float = 1.0
+    """The score's weight in the reward (``reward.model_weight``)."""
+
+    def __post_init__(self) -> None:
+        if not self.key.endswith("_B"):
+            raise ConfigError(
+                f"RewardSync {self.source}: key {self.key!r} must be a per-sequence output (ending in _B)"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class ReferenceSync:
     """A frozen copy of the policy that follows it: every ``every`` optimizer steps of ``source``, the
     weights of ``target`` become ``alpha * source + (1 - alpha) * target``, parameter by parameter (TR-DPO's
@@ -199,6 +221,8 @@ class TrainingConfig:
     dataset (SFT, DPO, reward modelling)."""
     reference_sync: ReferenceSync | None = None
     """A frozen role moved toward a trained one every few optimizer steps; None: frozen roles never change."""
+    reward_syncs: tuple[RewardSync, ...] = ()
+    """Frozen roles whose scores are added to the rewards before training (a reward model)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "roles", tuple(self.roles))
@@ -233,6 +257,9 @@ class TrainingConfig:
                 )
         if self.reference_sync is not None:
             self._check_reference_sync(self.reference_sync)
+        object.__setattr__(self, "reward_syncs", tuple(self.reward_syncs))
+        for reward in self.reward_syncs:
+            self._check_reward_sync(reward, specs)
         for role in self.roles:
             spec = specs[role.name]
             for key in spec.self_forward_keys:
@@ -260,6 +287,25 @@ class TrainingConfig:
             raise ConfigError(
                 f"{where}: the two roles load different checkpoints ({source.model_path or 'model.path'}, "
                 f"{target.model_path or 'model.path'}), so their weights cannot be mixed"
+            )
+
+    def _check_reward_sync(self, sync: RewardSync, specs: dict[str, ModelSpecialization]) -> None:
+        where = f"recipe {self.name!r}: RewardSync from {sync.source!r}"
+        roles = {r.name: r for r in self.roles}
+        if sync.source not in roles:
+            raise ConfigError(f"{where} names a missing role; roles are {list(roles)}")
+        if roles[sync.source].trainable:
+            raise ConfigError(f"{where}: the scoring role must be frozen (trainable=False)")
+        if sync.key not in specs[sync.source].output_keys:
+            raise ConfigError(
+                f"{where}: {type(specs[sync.source]).__name__} does not output {sync.key!r} "
+                f"(it outputs {list(specs[sync.source].output_keys)})"
+            )
+        readers = [r.name for r in self.roles if r.trainable and specs[r.name].reads_rewards]
+        if not self.online or not readers:
+            raise ConfigError(
+                f"{where}: no role of this recipe trains on rewards (an online recipe whose loss reads them: grpo, "
+                "ppo, ...), so the score would change nothing"
             )
 
     def _unmet_keys(self, role: ModelRole, spec: ModelSpecialization) -> list[str]:

@@ -1,9 +1,10 @@
 """``RecipeRunner``: one training step of a recipe over its roles' training backends.
 
     step(rollout_data):
-        1. no-grad forwards: every DataSync source and every role with self-forward keys runs
-           ``forward_only`` once on the step's batch (cached per role);
-        2. inject: source outputs become target batch ``extra`` tensors;
+        1. no-grad forwards: every DataSync and RewardSync source and every role with self-forward keys
+           runs ``forward_only`` once on the step's batch (cached per role);
+        2. inject: a RewardSync's weighted scores are added to the batch's rewards, DataSync outputs
+           become target batch ``extra`` tensors;
         3. each trainable role: ``prepare_batch`` then ``train_step`` — concurrently in threads
            for roles on different backends, serialised for roles sharing one backend;
         4. every trained role's weight version + 1, its specialization's ``after_optimizer_step`` (an
@@ -211,6 +212,7 @@ class RecipeRunner:
                     outputs[role], computed_T[role] = _scattered(rollout_data, keep, part)
             return outputs[role]
 
+        rollout_data, reward_metrics = self._scored_rewards(rollout_data, forward)
         data = {
             r.name: dataclasses.replace(
                 rollout_data,
@@ -234,7 +236,7 @@ class RecipeRunner:
                     data[name].extra[target_key] = out[key]
         synced = [n for n in self.roles_to_sync() if n in trainable]
         if measure:  # what each role's prepare_batch does to the batch (dynamic sampling's drops)
-            self._batch_metrics = {
+            self._batch_metrics = reward_metrics | {
                 f"{name}/{key}": value
                 for name in trainable
                 for key, value in self.specs[name].prepare_metrics(data[name]).items()
@@ -257,6 +259,22 @@ class RecipeRunner:
                     f"{name}/{key}": value for key, value in self.specs[name].batch_metrics(prepared[name]).items()
                 }
         return prepared
+
+    def _scored_rewards(self, rollout_data: TokenBatch, forward: Any) -> tuple[TokenBatch, dict[str, float]]:
+        """``rollout_data`` with each ``RewardSync``'s weighted score added to its rewards (the roles' forwards
+        through ``forward``), and ``<source>/score_mean`` / ``_std`` and ``<source>/reward_mean`` (the reward
+        the roles train on) to log."""
+        if not self.config.reward_syncs:
+            return rollout_data, {}
+        rewards_B = rollout_data.rewards_B.float()
+        metrics: dict[str, float] = {}
+        for sync in self.config.reward_syncs:
+            score_B = forward(sync.source)[sync.key].detach().float().to(rewards_B.device)
+            rewards_B = rewards_B + sync.weight * score_B
+            metrics[f"{sync.source}/score_mean"] = score_B.mean().item()
+            metrics[f"{sync.source}/score_std"] = score_B.std(unbiased=False).item()
+            metrics[f"{sync.source}/reward_mean"] = rewards_B.mean().item()
+        return dataclasses.replace(rollout_data, rewards_B=rewards_B), metrics
 
     _batch_metrics: dict[str, float] = {}
     """The step's figures of its rollout batch, the same for every pass over it."""

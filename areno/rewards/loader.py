@@ -301,12 +301,19 @@ def load_reward(section: Any) -> Any:
     each loaded so (in-process only when every one may be: ``wants_sandbox``), each sandboxed one its own
     pool. A list of one function without weights is that function, as the plain string is."""
     paths = section.paths()
+    if not paths:  # reward.model alone: the training side adds its score to this 0
+        return no_reward
     fns = reward_functions(section)
     sandboxed = wants_sandbox(fns, section.sandbox)
     rewards = [_load_one(fn, path, section, sandboxed=sandboxed) for fn, path in zip(fns, paths)]
     if len(rewards) == 1 and section.weights is None:
         return rewards[0]
     return WeightedRewards(paths, rewards, section.weights or [1.0] * len(rewards))
+
+
+def no_reward(prompt: Any, completion: str, answer: Any = None, **row: Any) -> float:
+    """The rollout's reward where ``reward.fn`` names no function (``reward.model`` scores on the training side)."""
+    return 0.0
 
 
 def _load_one(fn: Callable[..., Any], path: str, section: Any, *, sandboxed: bool) -> Any:

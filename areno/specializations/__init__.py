@@ -5,7 +5,7 @@ from areno.specializations.base import ModelSpecialization
 from areno.specializations.critic import CriticSpecialization
 from areno.specializations.forward import ScalarHeadModel, token_logprobs_T
 from areno.specializations.preference import DPOSpecialization, RewardModelSpecialization, preference_pairs
-from areno.specializations.scorer import ScalarScorerSpecialization
+from areno.specializations.scorer import ScalarScorerSpecialization, SequenceScorerSpecialization
 from areno.specializations.supervised import (
     AggrevateSpecialization,
     DaggerSpecialization,
@@ -30,6 +30,7 @@ __all__ = [
     "SFTSpecialization",
     "ScalarScorerSpecialization",
     "ScalarHeadModel",
+    "SequenceScorerSpecialization",
     "preference_pairs",
     "token_logprobs_T",
 ]

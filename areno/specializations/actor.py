@@ -407,6 +407,10 @@ class ActorSpecialization(ModelSpecialization):
         return {"logprobs_T": "prox_logprobs_T"} if recompute else {}
 
     @property
+    def reads_rewards(self) -> bool:
+        return self.config.advantage_estimator != "given"
+
+    @property
     def needs_groups(self) -> str | None:
         if self.config.advantage_estimator in GROUP_ADVANTAGE_ESTIMATORS:
             return f"advantage_estimator={self.config.advantage_estimator}"

@@ -95,6 +95,12 @@ class ModelSpecialization(ABC):
         (``rollout.n_samples=1``) it learns nothing, and the run is refused. None: it does not."""
         return None
 
+    @property
+    def reads_rewards(self) -> bool:
+        """Whether ``prepare_batch`` reads the batch's ``rewards_B`` (advantages, returns): a recipe adds a reward
+        model's score to them only where some role does (``RewardSync``). Default: False."""
+        return False
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """The module the backend trains, built around the loaded decoder before the optimizer
         exists (a value or reward head is added here). Default: the decoder itself."""

@@ -54,6 +54,10 @@ class CriticSpecialization(ModelSpecialization):
     def self_forward_keys(self) -> dict[str, str]:
         return {"values_T": "old_values_T"}
 
+    @property
+    def reads_rewards(self) -> bool:
+        return True
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return ScalarHeadModel(model)
 

@@ -1,5 +1,6 @@
-"""``ScalarScorerSpecialization``: a frozen scalar-head scorer whose per-token scores are a teacher's
-action value Q for AggreVaTe (``q_source=reward_model`` or ``value_head``).
+"""Frozen scalar-head scorers. ``ScalarScorerSpecialization``: per-token scores, a teacher's action value Q
+for AggreVaTe (``q_source=reward_model`` or ``value_head``). ``SequenceScorerSpecialization``: a reward
+model's score of each whole sequence, which ``reward.model`` adds to the rewards.
 
 Which position scores which action. Log-probs score token ``x_t`` as the action ``a_t`` taken in the
 state ``s_t = x_<t`` (``logprobs_T[t] = log pi(x_t | x_<t)``). The scorer's head reads the final
@@ -25,7 +26,7 @@ from torch import nn
 from areno.errors import ConfigError
 from areno.models.hf_io import read_score_head
 from areno.specializations.base import ModelSpecialization, check_arguments
-from areno.specializations.forward import ScalarHeadModel
+from areno.specializations.forward import ScalarHeadModel, last_token_scores_B
 from areno.train import checkpoint
 from areno.types import TokenBatch
 
@@ -64,6 +65,32 @@ class ScalarScorerSpecialization(ModelSpecialization):
 
     def compute_loss(self, model_output, batch, reducer):
         raise ValueError("ScalarScorerSpecialization is for frozen scorer roles: set trainable=False")
+
+
+class SequenceScorerSpecialization(ModelSpecialization):
+    """Frozen role: ``scores_B`` = a reward model's score of each sequence, its head at the sequence's last
+    token (transformers' ``*ForSequenceClassification`` pools that position), read from ``head_path``, a
+    sequence-classification checkpoint with one label. ``reward.model`` builds it as the role
+    ``reward_model``, whose scores a ``RewardSync`` adds to the rewards. It never trains."""
+
+    output_keys = ("scores_B",)
+
+    def __init__(self, *, head_path: str | None = None) -> None:
+        check_arguments(SequenceScorerSpecialization, locals())
+        self.head_path = head_path
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        if self.head_path is None:
+            raise ConfigError("reward model: no checkpoint to read its score head from; set reward.model")
+        scorer = ScalarHeadModel(model)
+        _load_sequence_classifier_head(scorer, Path(self.head_path))
+        return scorer
+
+    def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        return {"scores_B": last_token_scores_B(model, batch)}
+
+    def compute_loss(self, model_output, batch, reducer):
+        raise ValueError("SequenceScorerSpecialization is for frozen scorer roles: set trainable=False")
 
 
 def _load_sequence_classifier_head(scorer: ScalarHeadModel, path: Path) -> None:

@@ -209,3 +209,28 @@ class RecordingBackend:
         time.sleep(self.hold_s)
         self.log.append(("exit", threading.current_thread().name))
         return {"loss": 0.0}
+
+
+RM_TINY = {"hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1, "intermediate_size": 64}
+"""The decoder shape of ``save_reward_model``'s reward models."""
+
+
+def save_reward_model(out: Path, *, num_labels: int = 1, tokenizer=None, seed: int = 11) -> Path:
+    """A random Qwen2ForSequenceClassification saved by transformers at ``out``, with the char tokenizer
+    (the tiny runs' policies'); its head larger than transformers' init, so scores vary visibly."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from areno.data.tokenizer import build_char_tokenizer
+    from areno.models.hf_io import init_model_dir
+
+    tok = tokenizer or build_char_tokenizer()
+    causal = init_model_dir(out.parent / f"{out.name}_causal", tiny_config(len(tok), **RM_TINY), tok, seed=seed)
+    cfg = AutoConfig.from_pretrained(causal, num_labels=num_labels)
+    cfg.pad_token_id = tok.pad_token_id
+    torch.manual_seed(5)
+    model = AutoModelForSequenceClassification.from_config(cfg)
+    with torch.no_grad():
+        model.score.weight.normal_(std=1.0)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

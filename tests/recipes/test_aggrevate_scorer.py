@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForSequenceClassification
+from transformers import AutoModelForSequenceClassification
 
 from areno.api.config import load_config
 from areno.api.trainer import Trainer
@@ -20,30 +20,14 @@ from areno.specializations import ScalarHeadModel, ScalarScorerSpecialization
 from areno.train import checkpoint
 from areno.types import TokenBatch, Trajectory
 from tests.helpers.configs import shrunk_example_overrides, tiny_run_overrides
-from tests.helpers.recipes import naive_logprobs
+from tests.helpers.recipes import RM_TINY, naive_logprobs, save_reward_model
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = {"hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1, "intermediate_size": 64}
-
-
-def _save_reward_model(out: Path, *, num_labels: int = 1, tokenizer=None) -> Path:
-    """A random Qwen2ForSequenceClassification saved by transformers, with the char tokenizer."""
-    tok = tokenizer or build_char_tokenizer()
-    causal = init_model_dir(out.parent / f"{out.name}_causal", tiny_config(len(tok), **TINY), tok, seed=11)
-    cfg = AutoConfig.from_pretrained(causal, num_labels=num_labels)
-    cfg.pad_token_id = tok.pad_token_id
-    torch.manual_seed(5)
-    model = AutoModelForSequenceClassification.from_config(cfg)
-    with torch.no_grad():  # a larger head than transformers' init, so Q varies visibly
-        model.score.weight.normal_(std=1.0)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
 def rm_dir(tmp_path_factory) -> Path:
-    return _save_reward_model(tmp_path_factory.mktemp("rm") / "hf")
+    return save_reward_model(tmp_path_factory.mktemp("rm") / "hf")
 
 
 def _hf_scores_T(model, batch: TokenBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -86,11 +70,11 @@ def test_reward_model_head_scores_every_position(rm_dir):
 def test_scorer_checkpoint_errors(tmp_path, rm_dir):
     """No score head, num_labels != 1, missing path, a tokenizer unlike the policy's: one-line ConfigErrors."""
     tok = build_char_tokenizer()
-    causal = init_model_dir(tmp_path / "causal", tiny_config(len(tok), **TINY), tok, seed=1)
+    causal = init_model_dir(tmp_path / "causal", tiny_config(len(tok), **RM_TINY), tok, seed=1)
     decoder = load_model(causal, dtype=torch.float32)[0]
     with pytest.raises(ConfigError, match="has no score head: save it with transformers' AutoModelForSequence"):
         ScalarScorerSpecialization(head="reward_model", head_path=str(causal)).wrap_model(decoder)
-    two = _save_reward_model(tmp_path / "two", num_labels=2)
+    two = save_reward_model(tmp_path / "two", num_labels=2)
     with pytest.raises(ConfigError, match="num_labels=1"):
         ScalarScorerSpecialization(head="reward_model", head_path=str(two)).wrap_model(decoder)
     with pytest.raises(ConfigError, match="reward_model_path"):
@@ -101,7 +85,7 @@ def test_scorer_checkpoint_errors(tmp_path, rm_dir):
                 + ["train.algorithm=aggrevate", "train.algorithm_kwargs={q_source: reward_model}"],
             )
         )
-    other = _save_reward_model(
+    other = save_reward_model(
         tmp_path / "other", tokenizer=build_char_tokenizer(extra_tokens=("<x>",), vocab_padding=0)
     )
     overrides = tiny_run_overrides(tmp_path) + [
