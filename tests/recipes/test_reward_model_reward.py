@@ -15,6 +15,7 @@ from transformers import AutoModelForSequenceClassification
 
 from areno.algo import group_index_B, grpo_advantages_B
 from areno.api.config import load_config
+from areno.api.pipeline import run_pipeline
 from areno.api.preflight import check_run
 from areno.api.trainer import Trainer
 from areno.data.tokenizer import build_char_tokenizer
@@ -216,3 +217,33 @@ def test_the_console_shows_the_trained_reward_and_the_models_score():
         1,
     )
     assert fields["reward"] == "1.25 (model 2.5)"
+
+
+def test_the_reward_model_example_then_grpo_on_its_score(tmp_path, monkeypatch):
+    """examples/sort_reward_model.yaml, then examples/grpo_reward_model.yaml on its checkpoint, shrunk: the warm
+    start (sft, no reward model) and a GRPO step that logs the model's score and the exact match at weight 0."""
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)  # the examples name their data files from the repository root
+    tiny = "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}"
+    quiet = ["observe.console=false", tiny]
+    rm = load_config(
+        root / "examples/sort_reward_model.yaml",
+        [f"run_dir={tmp_path / 'rm'}", f"model.path={tmp_path / 'rm_model'}", "train.steps=2", "rollout.batch_size=4"]
+        + ["data.num_eval=4", *quiet],
+    )
+    run_pipeline(rm)
+    written = load_config(root / "examples/grpo_reward_model.yaml").reward.model
+    made = load_config(root / "examples/sort_reward_model.yaml")
+    assert Path(written) == Path(made.run_dir) / "checkpoints" / f"step_{made.train.steps:08d}" / "hf"
+    grpo = load_config(
+        root / "examples/grpo_reward_model.yaml",
+        [f"run_dir={tmp_path / 'grpo'}", f"model.path={tmp_path / 'policy'}", "train.steps=1", "rollout.batch_size=2"]
+        + ["rollout.n_samples=2", "data.num_eval=2", "warm_start.steps=1", *quiet]
+        + [f"reward.model={tmp_path / 'rm' / 'checkpoints' / 'step_00000002' / 'hf'}"],
+    )
+    run_pipeline(grpo)
+    rows = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert any("train/reward_model/score_mean" in r for r in rows)
+    assert any("eval/reward/exact_match_mean" in r for r in rows)
+    warm = load_config(tmp_path / "grpo" / "warm_start" / "config.yaml")
+    assert warm.reward.model is None and warm.reward.paths() == ["areno.rewards.tasks:exact_match"]
