@@ -156,6 +156,18 @@ def check_rounds_and_lengths(p: argparse.ArgumentParser, args: argparse.Namespac
         p.error("--min-completion-len must be between 1 and --completion-len")
 
 
+def synced_s(fn: Callable[[], object], device: str | torch.device) -> float:
+    """Seconds ``fn()`` takes, the CUDA queue drained before and after it on a CUDA ``device``."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def graphed_us(step: Callable[[], object], per_step: int, trials: int = 5, replays: int = 20) -> float:
     """Microseconds per item of a CUDA graph of ``step`` (``per_step`` items, e.g. layers, per call): run
     once eagerly on a side stream (kernels compile outside the capture), captured, replayed; the median

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ from areno.api.trainer import Trainer
 from areno.data.tokenizer import build_char_tokenizer
 from areno.models.hf_io import init_model_dir, tiny_config
 from areno.recipes.runner import RecipeRunner
-from bench._common import emit, headline, parser, ratio
+from bench._common import emit, headline, parser, ratio, synced_s
 
 
 def _reward_model_dir(root: Path, shape: dict, seed: int) -> Path:
@@ -103,13 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
                 runner.step(batch)
             for _ in range(args.rounds):
                 for name, runner in (("with", with_rm), ("without", without)):
-                    if args.device == "cuda":
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    runner.step(batch)
-                    if args.device == "cuda":
-                        torch.cuda.synchronize()
-                    times[name].append(time.perf_counter() - t0)
+                    times[name].append(synced_s(lambda runner=runner: runner.step(batch), args.device))
         finally:
             trainer.shutdown()
     figure, baseline = statistics.median(times["with"]), statistics.median(times["without"])

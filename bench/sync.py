@@ -50,7 +50,7 @@ from areno.sync.base import NamedTensorSource, TensorEngine, engine_receiver
 from areno.sync.inplace import InPlaceTransport
 from areno.sync.plan import shard_specs_from_tp_plan
 from areno.sync.stream import StreamSyncConfig, StreamTopology, StreamTransport
-from bench._common import emit, headline, parser, ratio
+from bench._common import emit, headline, parser, ratio, synced_s
 
 TP_PLAN = {
     "model.layers.*.self_attn.[qkv]_proj.*": "colwise",
@@ -362,13 +362,7 @@ def colocated_shape(name: str, iters: int, dev: torch.device) -> dict:
     cast.sync(0), alias.sync(0)
 
     def raw() -> float:
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        flat_dst.copy_(flat_src)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        return synced_s(lambda: flat_dst.copy_(flat_src), dev)
 
     raw()
     cast_s = [cast.sync(i + 1).total_time_s for i in range(iters)]
