@@ -247,3 +247,25 @@ def test_the_reward_model_example_then_grpo_on_its_score(tmp_path, monkeypatch):
     assert any("eval/reward/exact_match_mean" in r for r in rows)
     warm = load_config(tmp_path / "grpo" / "warm_start" / "config.yaml")
     assert warm.reward.model is None and warm.reward.paths() == ["areno.rewards.tasks:exact_match"]
+
+
+@pytest.mark.slow
+def test_a_partitioned_run_scores_on_its_training_worker(tmp_path, rm_dir):
+    """cluster.train_devices / rollout_devices: the reward_model role is built in the training worker process."""
+    cfg = load_config(
+        None,
+        tiny_run_overrides(tmp_path, num_eval=0)
+        + [f"reward.model={rm_dir}", "train.steps=2", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]"],
+    )
+    trainer = Trainer.init(cfg)
+    try:
+        trainer.run()
+    finally:
+        trainer.shutdown()
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in logged if "train/reward_model/score_mean" in m]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["train/reward_model/reward_mean"] == pytest.approx(
+            m["rollout/reward_mean"] + m["train/reward_model/score_mean"], abs=1e-4
+        )
