@@ -135,7 +135,7 @@ def check_run(config: ArenoConfig) -> None:
         raise ConfigError("test_rollout.device=cuda but no CUDA device is visible: use test_rollout.device=cpu or auto")
     if config.cluster.device in ("auto", "cuda") and torch.cuda.is_available():
         check_cuda_capability(torch.device("cuda"))  # a GPU too old for the CUDA path, before any model loads
-    check_held_out(config)
+    check_held_out(config, recipe)
     say_if_held_out_evaluation_is_off(config)
     check_placement(config, recipe)
     check_minibatches(config, recipe)
@@ -360,10 +360,11 @@ def check_reward(config: ArenoConfig) -> None:
             )
 
 
-def check_held_out(config: ArenoConfig) -> None:
-    """What evaluates held-out rows has some: the background test rollout, the best checkpoint's figure."""
+def check_held_out(config: ArenoConfig, recipe: TrainingConfig) -> None:
+    """What evaluates held-out rows has some (the background test rollout, the best checkpoint's figure), and an
+    online run's held-out rows a reward.fn to score them with."""
     data = config.data
-    if has_held_out_rows(data) and resolve_recipe(config).online:
+    if has_held_out_rows(data) and recipe.online:
         check_eval_reward(config.reward, "held-out evaluation")
     if config.train.best_metric is not None and not has_held_out_rows(data):
         raise ConfigError(

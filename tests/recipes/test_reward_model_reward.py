@@ -61,6 +61,17 @@ def _config(tmp_path: Path, *extra: str, reward: str = "tests.helpers.rewards:se
     return load_config(None, tiny_run_overrides(tmp_path, num_eval=0, reward=reward) + list(extra))
 
 
+def _scored_steps(cfg) -> list[dict]:
+    """The metrics rows of ``cfg``'s run, trained to its end, that logged the reward model's score."""
+    trainer = Trainer.init(cfg)
+    try:
+        trainer.run()
+    finally:
+        trainer.shutdown()
+    logged = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [m for m in logged if "train/reward_model/score_mean" in m]
+
+
 def test_the_weighted_score_is_added_before_the_advantages(tmp_path, rm_dir):
     """rewards = reward.fn's + 0.5 x transformers' logit; grpo's advantages of that sum; the logged figures."""
     trainer = Trainer.init(_config(tmp_path, f"reward.model={rm_dir}", "reward.model_weight=0.5"))
@@ -120,13 +131,7 @@ def test_prompt_only_rows_train_on_the_model_alone_asynchronously(tmp_path, rm_d
         ],
     )
     assert cfg.reward.paths() == []
-    trainer = Trainer.init(cfg)
-    try:
-        trainer.run()
-    finally:
-        trainer.shutdown()
-    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in logged if "train/reward_model/score_mean" in m]
+    steps = _scored_steps(cfg)
     assert len(steps) == 3
     for m in steps:
         assert m["rollout/reward_mean"] == 0.0
@@ -257,13 +262,7 @@ def test_a_partitioned_run_scores_on_its_training_worker(tmp_path, rm_dir):
         tiny_run_overrides(tmp_path, num_eval=0)
         + [f"reward.model={rm_dir}", "train.steps=2", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]"],
     )
-    trainer = Trainer.init(cfg)
-    try:
-        trainer.run()
-    finally:
-        trainer.shutdown()
-    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in logged if "train/reward_model/score_mean" in m]
+    steps = _scored_steps(cfg)
     assert len(steps) == 2
     for m in steps:
         assert m["train/reward_model/reward_mean"] == pytest.approx(
