@@ -43,7 +43,6 @@ from areno.engine.config import (
     RewardSection,
     RolloutSection,
     build_train_backend_config,
-    check_eval_reward,
     check_offline_rollout,
     field_default,
     has_held_out_rows,
@@ -361,11 +360,15 @@ def check_reward(config: ArenoConfig) -> None:
 
 
 def check_held_out(config: ArenoConfig, recipe: TrainingConfig) -> None:
-    """What evaluates held-out rows has some (the background test rollout, the best checkpoint's figure), and an
-    online run's held-out rows a reward.fn to score them with."""
+    """What evaluates held-out rows has some (the background test rollout, the best checkpoint's figure); the
+    background test rollout scores without a reward model."""
     data = config.data
-    if has_held_out_rows(data) and recipe.online:
-        check_eval_reward(config.reward, "held-out evaluation")
+    if config.test_rollout.enabled and recipe.reward_syncs:
+        raise ConfigError(
+            "test_rollout.enabled: the background test rollout scores the held-out rows with reward.fn alone, "
+            "and reward.model scores on the training devices: set test_rollout.enabled=false (the run's own "
+            "held-out evaluation, every train.eval_interval steps, adds the model's score)"
+        )
     if config.train.best_metric is not None and not has_held_out_rows(data):
         raise ConfigError(
             f"train.best_metric={config.train.best_metric}: the run has no held-out rows to evaluate: set "

@@ -47,7 +47,7 @@ from areno.engine.host import HeapFreezer
 from areno.engine.ledger import SEQ_KEY, LedgerWorkflow, ResumableStaleness, SampleLedger, SeedingClient
 from areno.engine.residency import Phase, Residency
 from areno.engine.rollout_side import RolloutSide
-from areno.engine.scoring import ascore_rows, eval_metrics, eval_params, held_burst, rollout_sampling
+from areno.engine.scoring import add_model_scores, ascore_rows, eval_metrics, eval_params, held_burst, rollout_sampling
 from areno.engine.seams import SideSetup, WeightKind, choose_weight_kind
 from areno.engine.training_side import TrainingSide
 from areno.errors import ConfigError, ModelDirError, RunFailure
@@ -1367,9 +1367,13 @@ class ArenoEngine:
                     base_seed=cfg.train.seed,
                 )
             )
+        model_metrics = {}
+        if self.recipe.reward_syncs:  # the reward models score on the training side, as in a step
+            self._enter(Phase.TRAIN)
+            model_metrics = add_model_scores(scored, self.recipe.reward_syncs, self.training.reward_scores)
         rewards = [[t.reward for t in ts] for ts in scored]
         metrics = eval_metrics(rewards, scored, cfg.train.eval_pass_threshold, self.eval_sources)
-        return {**metrics, "eval/time_s": time.perf_counter() - t0}
+        return {**metrics, **model_metrics, "eval/time_s": time.perf_counter() - t0}
 
     def _evaluate_pairs(self) -> dict[str, float]:
         """A preference recipe's held-out figures, by the trained weights and without generating: its

@@ -278,7 +278,7 @@ class RewardSection(ConfigSection):
     `reward_model` run's `checkpoints/step_N/hf`, or one transformers saved) and the policy's tokenizer. It
     runs on the training devices as the frozen role `reward_model` and scores each prompt + completion at its
     last token; `model_weight` times that score is added to the reward of `fn` before the advantages (TRL's
-    reward model in `reward_funcs`). Held-out evaluation still scores with `fn` alone."""
+    reward model in `reward_funcs`). Held-out evaluation adds it the same way (`eval/reward_model/score_mean`)."""
     model_weight: float = 1.0
     """The weight of `model`'s score in the reward (finite, nonzero)."""
 
@@ -1254,18 +1254,6 @@ def has_held_out_rows(data: DataSection) -> bool:
     """Whether a run of ``data`` holds out rows to evaluate: a shipped task's ``num_eval``, or the first
     ``num_eval`` of ``eval_path``'s (a ``train_path`` alone gives none)."""
     return data.num_eval > 0 and (data.task is not None or data.eval_path is not None)
-
-
-def check_eval_reward(reward: RewardSection, what: str) -> None:
-    """A ConfigError where ``what`` (held-out evaluation, ``areno eval``) would score completions with a
-    ``reward.fn`` that names no function (``reward.model`` alone: it scores the training batches only)."""
-    if reward.paths():
-        return
-    raise ConfigError(
-        f"{what} scores completions with reward.fn, which names no function (reward.model scores the training "
-        "batches only): set reward.fn to a function to score the held-out rows with (reward.fn=[f] with "
-        "reward.weights=[0] scores them without adding to the training reward), or set data.num_eval=0"
-    )
 
 
 def offline_unused_rollout_keys(config: ArenoConfig, *, generates: bool = True) -> tuple[str, ...]:

@@ -26,21 +26,38 @@ from pathlib import Path
 from typing import Any
 
 from areno.data.datasets import PAIR_KEYS, build_splits, held_out_files, several_held_out_files, source_names
-from areno.engine.api import load_tokenizer, prepare_model_dir, resolve_device, resolve_recipe, trains_on_pairs
-from areno.engine.config import ArenoConfig, check_eval_reward
+from areno.engine.api import (
+    build_role_backends,
+    load_tokenizer,
+    prepare_model_dir,
+    resolve_device,
+    resolve_recipe,
+    trains_on_pairs,
+)
+from areno.engine.config import ArenoConfig
 from areno.engine.host import apply_host_settings
 from areno.engine.local import LocalRolloutSide
 from areno.engine.rollout_side import RolloutSide
-from areno.engine.scoring import ascore_rows, check_eval_seeds, eval_metrics, eval_params, held_burst
+from areno.engine.scoring import (
+    MODEL_SCORE_INFO_KEY,
+    add_model_scores,
+    ascore_rows,
+    check_eval_seeds,
+    eval_metrics,
+    eval_params,
+    held_burst,
+)
 from areno.engine.seams import SideSetup
 from areno.engine.servers import ServerRolloutSide
 from areno.errors import ConfigError, DataError, ModelDirError
 from areno.models.checkpoint_dirs import complete_checkpoints, model_dir_of, newest_checkpoint
 from areno.models.hf_io import read_config
 from areno.models.vision import VisionConfig
+from areno.recipes.runner import reward_model_scores
 from areno.rewards.loader import check_reward_started, load_reward, release_reward, start_reward
 from areno.specializations.preference import RewardModelSpecialization
 from areno.train.checkpoint import read_best
+from areno.train.local import LocalTrainBackend
 from areno.types import MIN_TEMPERATURE, SamplingParams, Trajectory
 from areno.workflows.common import REWARD_FIGURES_KEY
 
@@ -261,7 +278,6 @@ def run_eval(
         )
     base_seed = config.train.seed if options.seed is None else options.seed
     # several held-out files: each one's figures too, over the rows kept of it
-    check_eval_reward(config.reward, "areno eval")
     rows, sources = _rows_and_sources(config, options.split, options.num_prompts)
     _check_generates(config, rows)
     if params.temperature > 0:
@@ -315,7 +331,9 @@ def run_eval(
         if started:
             side.shutdown()
         release_reward(reward_fn)
-    metrics = eval_metrics([[t.reward for t in ts] for ts in scored], scored, threshold, sources)
+    # after the rollout engine is gone: the reward models load on the device it had
+    model_metrics = _add_model_scores(config, model_dir, scored)
+    metrics = eval_metrics([[t.reward for t in ts] for ts in scored], scored, threshold, sources) | model_metrics
     metrics["eval/load_s"] = load_s
     metrics["eval/time_s"] = elapsed
     metrics["eval/completion_tokens_per_s"] = sum(len(t.completion_ids) for ts in scored for t in ts) / elapsed
@@ -330,6 +348,23 @@ def run_eval(
     }
     _write(out, rows, scored, config, summary)
     return summary
+
+
+def _add_model_scores(config: ArenoConfig, model_dir: Path, scored: list[list[Trajectory]]) -> dict[str, float]:
+    """``scoring.add_model_scores`` with ``reward.model`` loaded here (a training backend of the frozen role on
+    ``cluster.device``, released after): the rewards as the run's own held-out evaluation gives them."""
+    recipe = resolve_recipe(config)
+    if not recipe.reward_syncs:
+        return {}
+    device = resolve_device(config.cluster.device).type
+    new_backend = lambda c: LocalTrainBackend(dataclasses.replace(c, device=device))
+    roles = {sync.source for sync in recipe.reward_syncs}
+    backends = build_role_backends(config, recipe, model_dir, new_backend, only=roles)
+    try:
+        return add_model_scores(scored, recipe.reward_syncs, lambda batch: reward_model_scores(recipe, backends, batch))
+    finally:
+        for backend in backends.values():
+            backend.shutdown()
 
 
 def _log_progress() -> Callable[[int, int, float], None]:
@@ -363,6 +398,9 @@ def _write(out: Path, rows: list[dict], scored: list[list[Trajectory]], config: 
         figures = [t.info.get(REWARD_FIGURES_KEY, {}) for t in trajectories]
         if any(figures):
             record["reward_figures"] = figures
+        model_scores = [t.info.get(MODEL_SCORE_INFO_KEY) for t in trajectories]
+        if any(score is not None for score in model_scores):  # reward.model's own score, unweighted
+            record["reward_model_scores"] = model_scores
         errors = [t.info.get("reward_error") for t in trajectories]
         if any(errors):
             record["reward_errors"] = errors

@@ -123,6 +123,9 @@ class LocalTrainingSide(TrainingSide):
     def prepare(self, batch: TokenBatch) -> dict[str, TokenBatch]:
         return self.runner.prepare(batch)
 
+    def reward_scores(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        return self.runner.reward_scores(batch)
+
     def publish_weights(self, version: int, kind: WeightKind) -> WeightUpdate | None:
         if self._source is None:
             return None

@@ -44,6 +44,11 @@ class RemoteTrainingSide(TrainingSide):
     def step(self, batch: TokenBatch, *, pass_order: list[int] | None, policy_version: int) -> dict[str, float]:
         return self.cluster.scheduler.call("train", "step", pickle.dumps(batch), pass_order, policy_version)[0]
 
+    def reward_scores(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        # every training rank runs the forward (FSDP2 gathers the shards): rank 0's answer
+        scores = self.cluster.scheduler.call("train", "reward_scores", pickle.dumps(batch))[0]
+        return {name: torch.tensor(values, dtype=torch.float32) for name, values in scores.items()}
+
     def publish_weights(self, version: int, kind: WeightKind) -> WeightUpdate | None:
         assert kind is WeightKind.COLLECTIVE, kind
         t0 = time.perf_counter()

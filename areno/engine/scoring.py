@@ -16,13 +16,17 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+
 from areno.data.prompts import render_prompt
 from areno.engine.config import ArenoConfig
 from areno.engine.ledger import SeedingClient
 from areno.engine.rollout_side import RolloutSide
 from areno.errors import ConfigError, DataError
+from areno.recipes.config import RewardSync
+from areno.recipes.runner import with_model_rewards
 from areno.rollout.errors import RequestRejected
-from areno.types import MAX_SEED, SamplingParams, Trajectory
+from areno.types import MAX_SEED, SamplingParams, TokenBatch, Trajectory
 from areno.workflows.common import ascore_reward, reward_figure_means, sample_fields, warn_reward_errors
 from areno.workflows.images import IMAGES_KEY, image_prompt, row_images
 
@@ -209,6 +213,28 @@ def pass_ks(n: int) -> list[int]:
     """The k of the reported ``pass@k``: powers of two up to n, and n."""
     ks = [1 << i for i in range(n.bit_length()) if 1 << i <= n]
     return ks if ks[-1] == n else [*ks, n]
+
+
+MODEL_SCORE_INFO_KEY = "reward_model_score"
+"""``Trajectory.info`` key of a held-out completion's reward-model score (unweighted), beside its reward."""
+
+
+def add_model_scores(
+    scored: list[list[Trajectory]], syncs: tuple[RewardSync, ...], score: Callable[[TokenBatch], dict[str, Any]]
+) -> dict[str, float]:
+    """The held-out completions' rewards with their reward models' weighted scores added, as a training step adds
+    them (``with_model_rewards``): each trajectory's ``reward`` changed in place, its first model's unweighted score
+    kept as ``info[MODEL_SCORE_INFO_KEY]``. ``score``: the scores of a packed batch of them (a training side's
+    ``reward_scores``). Returns ``eval/<source>/score_mean`` and the like."""
+    flat = [t for ts in scored for t in ts]
+    if not syncs or not flat:
+        return {}
+    scores = score(TokenBatch.from_trajectories(flat))
+    rewards_B, figures = with_model_rewards(torch.tensor([t.reward for t in flat]), syncs, scores)
+    for t, reward, model_score in zip(flat, rewards_B.tolist(), scores[syncs[0].source].tolist()):
+        t.reward = reward
+        t.info[MODEL_SCORE_INFO_KEY] = model_score
+    return {f"eval/{key}": value for key, value in figures.items()}
 
 
 def eval_metrics(

@@ -12,6 +12,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from pathlib import Path
 
+import torch
+
 from areno.engine.seams import SideSetup, WeightKind, WeightUpdate
 from areno.types import TokenBatch
 
@@ -44,6 +46,12 @@ class TrainingSide(ABC):
         an offline recipe's held-out evaluation. Offline recipes train colocated, so only the local
         side has it."""
         raise NotImplementedError(f"{type(self).__name__} does not prepare held-out batches")
+
+    def reward_scores(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        """Each reward model's (``RewardSync`` source's) score of every sequence of ``batch``, float32 [B] on the
+        CPU, no update (``RecipeRunner.reward_scores``): a held-out evaluation adds them to its rewards as a
+        training step does. Empty for a recipe without one."""
+        raise NotImplementedError(f"{type(self).__name__} does not score held-out batches")
 
     def device_bytes_to_come(self) -> int:
         """Device bytes this side will take beyond what it holds after ``start``, on the device it

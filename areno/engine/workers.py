@@ -147,6 +147,10 @@ class TrainWorker:
         self._heap.after_step()
         return metrics
 
+    def reward_scores(self, batch_bytes: bytes) -> dict[str, list[float]]:
+        """``RecipeRunner.reward_scores`` of a pickled TokenBatch, as plain lists (``step``'s pickling)."""
+        return {name: s.tolist() for name, s in self.runner.reward_scores(pickle.loads(batch_bytes)).items()}
+
     def sync(self, version: int) -> dict[str, float]:
         return self.transport.sync(version).as_metrics()
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from areno.recipes.config import TrainingConfig
+from areno.recipes.config import RewardSync, TrainingConfig
 from areno.specializations.base import (
     POLICY_VERSION_KEY,
     ModelSpecialization,
@@ -262,19 +262,16 @@ class RecipeRunner:
 
     def _scored_rewards(self, rollout_data: TokenBatch, forward: Any) -> tuple[TokenBatch, dict[str, float]]:
         """``rollout_data`` with each ``RewardSync``'s weighted score added to its rewards (the roles' forwards
-        through ``forward``), and ``<source>/score_mean`` / ``_std`` and ``<source>/reward_mean`` (the reward
-        the roles train on) to log."""
+        through ``forward``), and what ``with_model_rewards`` logs of them."""
         if not self.config.reward_syncs:
             return rollout_data, {}
-        rewards_B = rollout_data.rewards_B.float()
-        metrics: dict[str, float] = {}
-        for sync in self.config.reward_syncs:
-            score_B = forward(sync.source)[sync.key].detach().float().to(rewards_B.device)
-            rewards_B = rewards_B + sync.weight * score_B
-            metrics[f"{sync.source}/score_mean"] = score_B.mean().item()
-            metrics[f"{sync.source}/score_std"] = score_B.std(unbiased=False).item()
-            metrics[f"{sync.source}/reward_mean"] = rewards_B.mean().item()
+        scores = {sync.source: forward(sync.source)[sync.key] for sync in self.config.reward_syncs}
+        rewards_B, metrics = with_model_rewards(rollout_data.rewards_B, self.config.reward_syncs, scores)
         return dataclasses.replace(rollout_data, rewards_B=rewards_B), metrics
+
+    def reward_scores(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        """``reward_model_scores`` of ``batch`` by this runner's backends: what a held-out evaluation adds."""
+        return reward_model_scores(self.config, self.backends, batch)
 
     _batch_metrics: dict[str, float] = {}
     """The step's figures of its rollout batch, the same for every pass over it."""
@@ -325,6 +322,33 @@ class RecipeRunner:
         for name in trainable:
             self.versions[name] += 1
         return metrics
+
+
+def reward_model_scores(config: TrainingConfig, backends: dict[str, Any], batch: TokenBatch) -> dict[str, torch.Tensor]:
+    """Each ``RewardSync`` source's score of every sequence of ``batch`` (float32 [B], on the CPU), by a no-grad
+    forward of its backend in ``backends``: what a held-out evaluation adds to its rewards (``with_model_rewards``)."""
+    out = {}
+    for sync in config.reward_syncs:
+        spec = config.role(sync.source).build()
+        scores = backends[sync.source].forward_only(batch, forward_fn=spec.extract_model_output)
+        out[sync.source] = scores[sync.key].detach().float().cpu()
+    return out
+
+
+def with_model_rewards(
+    rewards_B: torch.Tensor, syncs: tuple[RewardSync, ...], scores: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``rewards_B`` + each ``RewardSync``'s weight times its source's score ``scores[source]`` [B], and the
+    figures to log: ``<source>/score_mean`` / ``_std`` (unweighted) and ``<source>/reward_mean`` (the sum)."""
+    rewards_B = rewards_B.float()
+    metrics: dict[str, float] = {}
+    for sync in syncs:
+        score_B = scores[sync.source].detach().float().to(rewards_B.device)
+        rewards_B = rewards_B + sync.weight * score_B
+        metrics[f"{sync.source}/score_mean"] = score_B.mean().item()
+        metrics[f"{sync.source}/score_std"] = score_B.std(unbiased=False).item()
+        metrics[f"{sync.source}/reward_mean"] = rewards_B.mean().item()
+    return rewards_B, metrics
 
 
 def _scattered(

@@ -21,13 +21,16 @@ from areno.api.trainer import Trainer
 from areno.data.tokenizer import build_char_tokenizer
 from areno.engine.api import resolve_recipe
 from areno.engine.evaluation import EvalOptions, run_eval
+from areno.engine.scoring import MODEL_SCORE_INFO_KEY, add_model_scores
 from areno.errors import ConfigError, ModelDirError
 from areno.models.hf_io import init_model_dir, load_model, tiny_config
 from areno.observe.metrics import ConsoleSink
+from areno.recipes.config import RewardSync
 from areno.specializations import SequenceScorerSpecialization
 from areno.types import TokenBatch, Trajectory
 from tests.helpers.configs import tiny_run_overrides
 from tests.helpers.recipes import RM_TINY, save_reward_model
+from tests.helpers.rewards import sevens_and_length
 
 
 @pytest.fixture(scope="module")
@@ -191,24 +194,69 @@ def test_reward_model_directories_are_checked_before_any_model_loads(tmp_path, r
         check_run(_config(tmp_path, f"reward.model={step}"))
 
 
-def test_settings_without_a_function_to_score_held_out_rows_are_refused(tmp_path, rm_dir):
+def test_settings_it_cannot_take_are_refused(tmp_path, rm_dir):
     with pytest.raises(ConfigError, match="reward.fn: names no function: .* or set reward.model"):
         _config(tmp_path, "reward.fn=[]")
     with pytest.raises(ConfigError, match="reward.model_weight: must be a finite nonzero number"):
         _config(tmp_path, f"reward.model={rm_dir}", "reward.model_weight=0")
-    held_out = load_config(None, tiny_run_overrides(tmp_path, num_eval=4) + [f"reward.model={rm_dir}", "reward.fn=[]"])
-    with pytest.raises(ConfigError, match="held-out evaluation scores completions with reward.fn, which names no"):
-        check_run(held_out)
-    with pytest.raises(ConfigError, match="areno eval scores completions with reward.fn, which names no function"):
-        run_eval(held_out, EvalOptions())
-    # a function at weight 0 scores the held-out rows and adds nothing to the training reward
-    check_run(
-        load_config(
-            None,
-            tiny_run_overrides(tmp_path, num_eval=4)
-            + [f"reward.model={rm_dir}", "reward.fn=[areno.rewards.tasks:exact_match]", "reward.weights=[0.0]"],
-        )
+    background = load_config(
+        None, tiny_run_overrides(tmp_path, num_eval=4) + [f"reward.model={rm_dir}", "test_rollout.enabled=true"]
     )
+    with pytest.raises(
+        ConfigError, match="test_rollout.enabled: the background test rollout scores .* reward.fn alone"
+    ):
+        check_run(background)
+
+
+def test_add_model_scores_weighs_each_completions_score_into_its_reward():
+    rows = [[_traj([5, 6], [7]), _traj([5, 6], [8, 9])], [_traj([10], [11, 12, 13]), _traj([10], [14])]]
+    for reward, t in zip((1.0, 0.0, 0.5, 0.25), (t for ts in rows for t in ts)):
+        t.reward = reward
+    seen = []
+
+    def score(batch: TokenBatch) -> dict[str, torch.Tensor]:
+        seen.append(batch.seqlens_B.tolist())
+        return {"reward_model": torch.tensor([2.0, -1.0, 0.0, 4.0])}
+
+    syncs = (RewardSync(source="reward_model", weight=0.5),)
+    metrics = add_model_scores(rows, syncs, score)
+    assert seen == [[3, 4, 4, 2]]  # one packed batch of every completion, rows in order
+    assert [t.reward for ts in rows for t in ts] == [2.0, -0.5, 0.5, 2.25]
+    assert [t.info[MODEL_SCORE_INFO_KEY] for ts in rows for t in ts] == [2.0, -1.0, 0.0, 4.0]
+    assert metrics == {
+        "eval/reward_model/score_mean": 1.25,
+        "eval/reward_model/score_std": pytest.approx(float(torch.tensor([2.0, -1.0, 0.0, 4.0]).std(unbiased=False))),
+        "eval/reward_model/reward_mean": 1.0625,
+    }
+
+
+def test_held_out_rows_get_the_models_score_in_the_run_and_in_areno_eval(tmp_path, rm_dir):
+    """The run's held-out evaluation and ``areno eval`` of its last checkpoint add the same weighted scores (greedy,
+    the same weights); the rows file keeps each completion's score beside its reward."""
+    cfg = load_config(
+        None,
+        tiny_run_overrides(tmp_path, num_eval=4)
+        + [f"reward.model={rm_dir}", "reward.model_weight=0.5", "train.steps=1"],
+    )
+    trainer = Trainer.init(cfg)
+    try:
+        trainer.run()
+    finally:
+        trainer.shutdown()
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [m for m in logged if "eval/accuracy" in m]
+    assert evals and all("eval/reward_model/score_mean" in m for m in evals)
+    last = evals[-1]
+    summary = run_eval(cfg, EvalOptions(checkpoint="latest"))
+    got = summary["metrics"]
+    for key in ("eval/accuracy", "eval/reward_model/score_mean", "eval/reward_model/reward_mean"):
+        assert got[key] == pytest.approx(last[key], abs=1e-4), key
+    assert got["eval/accuracy"] == pytest.approx(got["eval/reward_model/reward_mean"], abs=1e-5)
+    rows = [json.loads(line) for line in Path(summary["rows_file"]).read_text().splitlines()]
+    for row in rows:
+        for completion, reward, score in zip(row["completions"], row["rewards"], row["reward_model_scores"]):
+            expected = sevens_and_length(row["prompt"], completion) + 0.5 * score
+            assert reward == pytest.approx(expected, abs=1e-5)
 
 
 def test_the_console_shows_the_trained_reward_and_the_models_score():
@@ -256,13 +304,16 @@ def test_the_reward_model_example_then_grpo_on_its_score(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_a_partitioned_run_scores_on_its_training_worker(tmp_path, rm_dir):
-    """cluster.train_devices / rollout_devices: the reward_model role is built in the training worker process."""
+    """cluster.train_devices / rollout_devices: the reward_model role is built in the training worker process, which
+    scores the held-out completions too."""
     cfg = load_config(
         None,
-        tiny_run_overrides(tmp_path, num_eval=0)
+        tiny_run_overrides(tmp_path, num_eval=2)
         + [f"reward.model={rm_dir}", "train.steps=2", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]"],
     )
     steps = _scored_steps(cfg)
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval/reward_model/score_mean" in m for m in logged)
     assert len(steps) == 2
     for m in steps:
         assert m["train/reward_model/reward_mean"] == pytest.approx(
