@@ -207,6 +207,7 @@ def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend, 
             continue
         if role.model_path and not role.trainable:  # its tensors score the policy's token ids
             check_same_vocabulary(Path(role.model_path), model_dir, role.name)
+            logger.info("role %r: %s, frozen (%s)", role.name, role.model_path, role.specialization_cls.__name__)
         backend = new_backend(build_train_backend_config(cfg, role_name=role.name, trainable=role.trainable))
         backend.initialize(Path(role.model_path or model_dir), wrap_model=role.build().wrap_model)
         backends[role.name] = backend
