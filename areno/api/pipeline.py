@@ -105,7 +105,7 @@ def warm_start_config(config: ArenoConfig) -> ArenoConfig:
         test_rollout={"enabled": False},
         # sft scores no training batch: the main stage's reward model stays out, and its held-out rows are
         # scored by reward.fn, or by what a null reward.fn stands for without a model where it names none
-        reward={"model": None, "fn": config.reward.fn if config.reward.paths() else None},
+        reward={"model": None, "missing_eos_penalty": None, "fn": config.reward.fn if config.reward.paths() else None},
     )
 
 

@@ -411,7 +411,11 @@ def with_reward_model(recipe: TrainingConfig, config: ArenoConfig) -> TrainingCo
             init_kwargs={"head_path": config.reward.model},
         ),
     )
-    sync = RewardSync(source=REWARD_MODEL_ROLE, weight=config.reward.model_weight)
+    sync = RewardSync(
+        source=REWARD_MODEL_ROLE,
+        weight=config.reward.model_weight,
+        missing_eos_penalty=config.reward.missing_eos_penalty or 0.0,
+    )
     try:
         return dataclasses.replace(recipe, roles=roles, reward_syncs=(*recipe.reward_syncs, sync))
     except ConfigError as exc:  # the recipe's roles train on no reward

@@ -281,6 +281,10 @@ class RewardSection(ConfigSection):
     reward model in `reward_funcs`). Held-out evaluation adds it the same way (`eval/reward_model/score_mean`)."""
     model_weight: float = 1.0
     """The weight of `model`'s score in the reward (finite, nonzero)."""
+    missing_eos_penalty: float | None = None
+    """With `model`: subtracted from its score of a completion cut at `rollout.max_new_tokens` (no EOS), which a
+    reward model trained on finished answers may score far out of its range (TRL's `missing_eos_penalty`); >= 0,
+    null for none."""
 
     def __post_init__(self) -> None:
         # a function object: the obvious thing to try from Python, which cannot reach sandbox processes
@@ -305,6 +309,17 @@ class RewardSection(ConfigSection):
             self.model is None or bool(str(self.model).strip()),
             "reward.model",
             "is empty: give a reward model's directory, or null for none",
+        )
+        check_config(
+            self.missing_eos_penalty is None or self.model is not None,
+            "reward.missing_eos_penalty",
+            "lowers reward.model's score of a completion without an EOS, and reward.model is unset: set it, or "
+            "drop the key",
+        )
+        check_config(
+            self.missing_eos_penalty is None or 0 <= self.missing_eos_penalty <= FLOAT32_MAX,
+            "reward.missing_eos_penalty",
+            f"must be a finite number >= 0, got {self.missing_eos_penalty}",
         )
         check_config(
             math.isfinite(self.model_weight) and self.model_weight != 0 and abs(self.model_weight) <= FLOAT32_MAX,

@@ -229,8 +229,9 @@ def add_model_scores(
     flat = [t for ts in scored for t in ts]
     if not syncs or not flat:
         return {}
-    scores = score(TokenBatch.from_trajectories(flat))
-    rewards_B, figures = with_model_rewards(torch.tensor([t.reward for t in flat]), syncs, scores)
+    batch = TokenBatch.from_trajectories(flat)
+    scores = score(batch)
+    rewards_B, figures = with_model_rewards(torch.tensor([t.reward for t in flat]), syncs, scores, batch.truncated_B)
     for t, reward, model_score in zip(flat, rewards_B.tolist(), scores[syncs[0].source].tolist()):
         t.reward = reward
         t.info[MODEL_SCORE_INFO_KEY] = model_score

@@ -160,11 +160,11 @@ class DataSync:
 
 @dataclass(frozen=True, kw_only=True)
 class RewardSync:
-    """A frozen role's score of each sequence added to the step's rewards: before any role's
-    ``prepare_batch``, the batch's ``rewards_B`` becomes ``rewards_B + weight * scores_B`` with ``scores_B``
-    the source's per-sequence output ``key`` (a reward model's head at each sequence's last token), so the
-    advantages, a critic's returns and the filters all read the same reward. ``reward.model`` adds one
-    (``areno.engine.api.resolve_recipe``)."""
+    """A frozen role's score of each sequence added to the step's rewards: before any role's ``prepare_batch``,
+    the batch's ``rewards_B`` becomes ``rewards_B + weight * (scores_B - missing_eos_penalty * truncated_B)``
+    with ``scores_B`` the source's per-sequence output ``key`` (a reward model's head at each sequence's last
+    token), so the advantages, a critic's returns and the filters all read the same reward. ``reward.model``
+    adds one (``areno.engine.api.resolve_recipe``)."""
 
     source: str
     """The frozen role that scores (``reward_model``)."""
@@ -172,8 +172,15 @@ class RewardSync:
     """Its per-sequence output (``_B``)."""
     weight: float = 1.0
     """The score's weight in the reward (``reward.model_weight``)."""
+    missing_eos_penalty: float = 0.0
+    """Subtracted from the score of a sequence cut at the length limit (``truncated_B``), before the weight
+    (``reward.missing_eos_penalty``)."""
 
     def __post_init__(self) -> None:
+        if self.missing_eos_penalty < 0:
+            raise ConfigError(
+                f"RewardSync {self.source}: missing_eos_penalty must be >= 0, got {self.missing_eos_penalty}"
+            )
         if not self.key.endswith("_B"):
             raise ConfigError(
                 f"RewardSync {self.source}: key {self.key!r} must be a per-sequence output (ending in _B)"

@@ -266,7 +266,9 @@ class RecipeRunner:
         if not self.config.reward_syncs:
             return rollout_data, {}
         scores = {sync.source: forward(sync.source)[sync.key] for sync in self.config.reward_syncs}
-        rewards_B, metrics = with_model_rewards(rollout_data.rewards_B, self.config.reward_syncs, scores)
+        rewards_B, metrics = with_model_rewards(
+            rollout_data.rewards_B, self.config.reward_syncs, scores, rollout_data.truncated_B
+        )
         return dataclasses.replace(rollout_data, rewards_B=rewards_B), metrics
 
     def reward_scores(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
@@ -336,15 +338,27 @@ def reward_model_scores(config: TrainingConfig, backends: dict[str, Any], batch:
 
 
 def with_model_rewards(
-    rewards_B: torch.Tensor, syncs: tuple[RewardSync, ...], scores: dict[str, torch.Tensor]
+    rewards_B: torch.Tensor,
+    syncs: tuple[RewardSync, ...],
+    scores: dict[str, torch.Tensor],
+    truncated_B: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """``rewards_B`` + each ``RewardSync``'s weight times its source's score ``scores[source]`` [B], and the
-    figures to log: ``<source>/score_mean`` / ``_std`` (unweighted) and ``<source>/reward_mean`` (the sum)."""
+    """``rewards_B`` + each ``RewardSync``'s weight times its source's score ``scores[source]`` [B], less its
+    ``missing_eos_penalty`` where ``truncated_B``, and the figures to log: ``<source>/score_mean`` / ``_std`` (the
+    model's own scores) and ``<source>/reward_mean`` (the sum)."""
     rewards_B = rewards_B.float()
     metrics: dict[str, float] = {}
     for sync in syncs:
         score_B = scores[sync.source].detach().float().to(rewards_B.device)
-        rewards_B = rewards_B + sync.weight * score_B
+        penalty_B = torch.zeros_like(score_B)
+        if sync.missing_eos_penalty:
+            if truncated_B is None:
+                raise ValueError(
+                    f"RewardSync {sync.source}: missing_eos_penalty needs the batch's truncated_B (which sequences were "
+                    "cut at the length limit; TokenBatch.from_trajectories sets it from each finish_reason)"
+                )
+            penalty_B = sync.missing_eos_penalty * truncated_B.to(score_B.device, torch.float32)
+        rewards_B = rewards_B + sync.weight * (score_B - penalty_B)
         metrics[f"{sync.source}/score_mean"] = score_B.mean().item()
         metrics[f"{sync.source}/score_std"] = score_B.std(unbiased=False).item()
         metrics[f"{sync.source}/reward_mean"] = rewards_B.mean().item()

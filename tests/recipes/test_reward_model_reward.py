@@ -76,8 +76,11 @@ def _scored_steps(cfg) -> list[dict]:
 
 
 def test_the_weighted_score_is_added_before_the_advantages(tmp_path, rm_dir):
-    """rewards = reward.fn's + 0.5 x transformers' logit; grpo's advantages of that sum; the logged figures."""
-    trainer = Trainer.init(_config(tmp_path, f"reward.model={rm_dir}", "reward.model_weight=0.5"))
+    """rewards = reward.fn's + 0.5 x (transformers' logit - 2 where the completion has no EOS); grpo's advantages of
+    that sum; the logged figures."""
+    trainer = Trainer.init(
+        _config(tmp_path, f"reward.model={rm_dir}", "reward.model_weight=0.5", "reward.missing_eos_penalty=2.0")
+    )
     try:
         rollout = trainer.rollout_token_batch(0)
         batch = rollout.batch
@@ -87,7 +90,9 @@ def test_the_weighted_score_is_added_before_the_advantages(tmp_path, rm_dir):
     finally:
         trainer.shutdown()
     scores_B = _hf_scores_B(rm_dir, batch)
-    expected_B = batch.rewards_B.float() + 0.5 * scores_B
+    truncated_B = batch.truncated_B.float()  # completions cut at rollout.max_new_tokens (4): no EOS
+    assert truncated_B.any()  # a random tiny model rarely stops; the mixed case: test_add_model_scores_...
+    expected_B = batch.rewards_B.float() + 0.5 * (scores_B - 2.0 * truncated_B)
     assert bool(scores_B.std() > 0.1)  # the model's part is visible beside the function's
     torch.testing.assert_close(prepared.rewards_B.float(), expected_B, rtol=1e-4, atol=1e-4)
     adv_B = grpo_advantages_B(expected_B.double(), group_index_B(batch.group_ids))
@@ -199,6 +204,10 @@ def test_settings_it_cannot_take_are_refused(tmp_path, rm_dir):
         _config(tmp_path, "reward.fn=[]")
     with pytest.raises(ConfigError, match="reward.model_weight: must be a finite nonzero number"):
         _config(tmp_path, f"reward.model={rm_dir}", "reward.model_weight=0")
+    with pytest.raises(ConfigError, match="reward.missing_eos_penalty: lowers reward.model's score .* is unset"):
+        _config(tmp_path, "reward.missing_eos_penalty=1.0")
+    with pytest.raises(ConfigError, match="reward.missing_eos_penalty: must be a finite number >= 0"):
+        _config(tmp_path, f"reward.model={rm_dir}", "reward.missing_eos_penalty=-1.0")
     background = load_config(
         None, tiny_run_overrides(tmp_path, num_eval=4) + [f"reward.model={rm_dir}", "test_rollout.enabled=true"]
     )
@@ -218,15 +227,16 @@ def test_add_model_scores_weighs_each_completions_score_into_its_reward():
         seen.append(batch.seqlens_B.tolist())
         return {"reward_model": torch.tensor([2.0, -1.0, 0.0, 4.0])}
 
-    syncs = (RewardSync(source="reward_model", weight=0.5),)
+    rows[1][0].finish_reason = "length"  # cut at the length limit: the penalty applies
+    syncs = (RewardSync(source="reward_model", weight=0.5, missing_eos_penalty=3.0),)
     metrics = add_model_scores(rows, syncs, score)
     assert seen == [[3, 4, 4, 2]]  # one packed batch of every completion, rows in order
-    assert [t.reward for ts in rows for t in ts] == [2.0, -0.5, 0.5, 2.25]
+    assert [t.reward for ts in rows for t in ts] == [2.0, -0.5, 0.5 - 1.5, 2.25]
     assert [t.info[MODEL_SCORE_INFO_KEY] for ts in rows for t in ts] == [2.0, -1.0, 0.0, 4.0]
     assert metrics == {
         "eval/reward_model/score_mean": 1.25,
         "eval/reward_model/score_std": pytest.approx(float(torch.tensor([2.0, -1.0, 0.0, 4.0]).std(unbiased=False))),
-        "eval/reward_model/reward_mean": 1.0625,
+        "eval/reward_model/reward_mean": 0.6875,
     }
 
 
