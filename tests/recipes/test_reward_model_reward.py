@@ -302,14 +302,18 @@ def test_the_reward_model_example_then_grpo_on_its_score(tmp_path, monkeypatch):
         root / "examples/grpo_reward_model.yaml",
         [f"run_dir={tmp_path / 'grpo'}", f"model.path={tmp_path / 'policy'}", "train.steps=1", "rollout.batch_size=2"]
         + ["rollout.n_samples=2", "data.num_eval=2", "warm_start.steps=1", *quiet]
-        + [f"reward.model={tmp_path / 'rm' / 'checkpoints' / 'step_00000002' / 'hf'}"],
+        + [
+            f"reward.model={tmp_path / 'rm' / 'checkpoints' / 'step_00000002' / 'hf'}",
+            "reward.missing_eos_penalty=1.0",
+        ],
     )
     run_pipeline(grpo)
     rows = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert any("train/reward_model/score_mean" in r for r in rows)
     assert any("eval/reward/exact_match_mean" in r for r in rows)
     warm = load_config(tmp_path / "grpo" / "warm_start" / "config.yaml")
-    assert warm.reward.model is None and warm.reward.paths() == ["areno.rewards.tasks:exact_match"]
+    assert warm.reward.model is None and warm.reward.missing_eos_penalty is None
+    assert warm.reward.paths() == ["areno.rewards.tasks:exact_match"]
 
 
 @pytest.mark.slow
