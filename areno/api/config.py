@@ -249,8 +249,7 @@ def absolute_code_paths(config: ArenoConfig) -> ArenoConfig:
     """``config`` (changed in place) with the files of its user code made absolute from the working
     directory (``reward.fn``, ``rollout.workflow``, ``train.algorithm`` as ``./file.py:name``), so
     processes started elsewhere (Ray, SLURM, a reward sandbox in its own directory) import the same
-    code; a null ``reward.fn`` becomes the function(s) it stands for. ``load_config`` calls it (``areno eval`` starts reward sandboxes), and ``absolute_paths``."""
-    config.reward.resolve_fn()  # a section set to null after construction
+    code. ``load_config`` calls it (``areno eval`` starts reward sandboxes), and ``absolute_paths``."""
     for key in CODE_PATH_KEYS:
         section, _, name = key.partition(".")
         owner = getattr(config, section)

@@ -867,7 +867,10 @@ def check_sequence_classifier(key: str, path: Path) -> None:
     causal LM has no score head, and several labels are no scalar reward."""
     hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
     architectures = hf.get("architectures") or []
-    made = "train one with train.algorithm=reward_model (its checkpoints/step_N/hf), or save it with transformers' AutoModelForSequenceClassification(num_labels=1)"
+    made = (
+        "train one with train.algorithm=reward_model (its checkpoints/step_N/hf), or save it with transformers' "
+        "AutoModelForSequenceClassification(num_labels=1)"
+    )
     if not any(str(a).endswith(SEQUENCE_CLASSIFIER_SUFFIX) for a in architectures):
         raise ModelDirError(
             f"{key}: {path} is a {', '.join(map(str, architectures)) or 'model without architectures'} checkpoint, not "

@@ -350,7 +350,10 @@ def resolve_recipe(config: ArenoConfig):
             raise ConfigError(f"train.algorithm_kwargs.{key}: set by the run, not the recipe: {why}: drop it")
     recipe = get_recipe(name, policy_kwargs=policy_kwargs)
     if config.reward.model is not None and not recipe.online:
-        with_reward_model(recipe, config)  # refuses
+        raise ConfigError(
+            f"reward.model: train.algorithm={recipe.name} trains offline on dataset rows, which no reward scores: "
+            "unset reward.model, or use an online recipe (grpo, ppo, ...)"
+        )
     if not recipe.online:
         return recipe
     length = options.get("max_completion_length")
@@ -375,15 +378,10 @@ REWARD_MODEL_ROLE = "reward_model"
 def with_reward_model(recipe: TrainingConfig, config: ArenoConfig) -> TrainingConfig:
     """``recipe`` with ``reward.model`` as the frozen role ``reward_model`` (``SequenceScorerSpecialization``),
     whose score of each sequence, times ``reward.model_weight``, a ``RewardSync`` adds to the rewards before
-    training. A one-line ConfigError where the recipe trains on no reward, or where something decides on
-    the rollout side's rewards before the model has scored (dynamic sampling's further rounds, ``gdpo``'s
-    per-function normalisation)."""
+    training (an online recipe's). A one-line ConfigError where its roles train on no reward, or where
+    something decides on the rollout side's rewards before the model has scored (dynamic sampling's further
+    rounds, ``gdpo``'s per-function normalisation)."""
     key = "reward.model"
-    if not recipe.online:
-        raise ConfigError(
-            f"{key}: train.algorithm={recipe.name} trains offline on dataset rows, which no reward scores: unset "
-            f"{key}, or use an online recipe (grpo, ppo, ...)"
-        )
     if REWARD_MODEL_ROLE in (r.name for r in recipe.roles):
         raise ConfigError(f"{key}: recipe {recipe.name} has a role named {REWARD_MODEL_ROLE!r} already")
     spec = recipe.policy_role.build()
