@@ -134,7 +134,7 @@ def check_run(config: ArenoConfig) -> None:
         raise ConfigError("test_rollout.device=cuda but no CUDA device is visible: use test_rollout.device=cpu or auto")
     if config.cluster.device in ("auto", "cuda") and torch.cuda.is_available():
         check_cuda_capability(torch.device("cuda"))  # a GPU too old for the CUDA path, before any model loads
-    check_held_out(config, recipe)
+    check_held_out(config)
     say_if_held_out_evaluation_is_off(config)
     check_placement(config, recipe)
     check_minibatches(config, recipe)
@@ -359,16 +359,9 @@ def check_reward(config: ArenoConfig) -> None:
             )
 
 
-def check_held_out(config: ArenoConfig, recipe: TrainingConfig) -> None:
-    """What evaluates held-out rows has some (the background test rollout, the best checkpoint's figure); the
-    background test rollout scores without a reward model."""
+def check_held_out(config: ArenoConfig) -> None:
+    """What evaluates held-out rows has some: the background test rollout, the best checkpoint's figure."""
     data = config.data
-    if config.test_rollout.enabled and recipe.reward_syncs:
-        raise ConfigError(
-            "test_rollout.enabled: the background test rollout scores the held-out rows with reward.fn alone, "
-            "and reward.model scores on the training devices: set test_rollout.enabled=false (the run's own "
-            "held-out evaluation, every train.eval_interval steps, adds the model's score)"
-        )
     if config.train.best_metric is not None and not has_held_out_rows(data):
         raise ConfigError(
             f"train.best_metric={config.train.best_metric}: the run has no held-out rows to evaluate: set "

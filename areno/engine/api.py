@@ -72,6 +72,7 @@ from areno.specializations.base import RUN_SET_OPTIONS, takes_option
 from areno.specializations.preference import PAIRWISE_SPECIALIZATIONS, DPOSpecialization, pair_metrics
 from areno.specializations.scorer import SequenceScorerSpecialization
 from areno.train import checkpoint
+from areno.train.local import LocalTrainBackend
 from areno.types import ROUTES_KEY, RolloutBatch, SamplingParams, TokenBatch, Trajectory, join_flat
 from areno.workflows.base import ENGINE_ARGUMENTS, NONFINITE_REWARD_KEY, RolloutWorkflow, load_workflow, routes_dropped
 from areno.workflows.common import (
@@ -223,6 +224,13 @@ def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend, 
             compiled[0].compile_cache,
         )
     return backends
+
+
+def reward_model_backends(cfg: ArenoConfig, recipe: TrainingConfig, model_dir: Path, device: torch.device) -> dict:
+    """The backends of ``recipe``'s reward models alone (its ``RewardSync`` sources), frozen, on ``device``: what
+    scores held-out completions away from the training side (``areno eval``, the background test rollout)."""
+    new_backend = lambda c: LocalTrainBackend(dataclasses.replace(c, device=device.type))
+    return build_role_backends(cfg, recipe, model_dir, new_backend, only={s.source for s in recipe.reward_syncs})
 
 
 def check_same_vocabulary(role_dir: Path, policy_dir: Path, role: str) -> None:

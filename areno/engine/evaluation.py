@@ -27,11 +27,11 @@ from typing import Any
 
 from areno.data.datasets import PAIR_KEYS, build_splits, held_out_files, several_held_out_files, source_names
 from areno.engine.api import (
-    build_role_backends,
     load_tokenizer,
     prepare_model_dir,
     resolve_device,
     resolve_recipe,
+    reward_model_backends,
     trains_on_pairs,
 )
 from areno.engine.config import ArenoConfig
@@ -57,7 +57,6 @@ from areno.recipes.runner import reward_model_scores
 from areno.rewards.loader import check_reward_started, load_reward, release_reward, start_reward
 from areno.specializations.preference import RewardModelSpecialization
 from areno.train.checkpoint import read_best
-from areno.train.local import LocalTrainBackend
 from areno.types import MIN_TEMPERATURE, SamplingParams, Trajectory
 from areno.workflows.common import REWARD_FIGURES_KEY
 
@@ -356,10 +355,7 @@ def _add_model_scores(config: ArenoConfig, model_dir: Path, scored: list[list[Tr
     recipe = resolve_recipe(config)
     if not recipe.reward_syncs:
         return {}
-    device = resolve_device(config.cluster.device).type
-    new_backend = lambda c: LocalTrainBackend(dataclasses.replace(c, device=device))
-    roles = {sync.source for sync in recipe.reward_syncs}
-    backends = build_role_backends(config, recipe, model_dir, new_backend, only=roles)
+    backends = reward_model_backends(config, recipe, model_dir, resolve_device(config.cluster.device))
     try:
         return add_model_scores(scored, recipe.reward_syncs, lambda batch: reward_model_scores(recipe, backends, batch))
     finally:

@@ -36,16 +36,18 @@ from areno.engine.api import (
     prepare_model_dir,
     resolve_device,
     resolve_recipe,
+    reward_model_backends,
 )
 from areno.engine.config import ArenoConfig
 from areno.engine.executor import WorkflowExecutor
 from areno.engine.local import LocalRolloutSide
-from areno.engine.scoring import ascore_samples, eval_metrics, eval_params
+from areno.engine.scoring import add_model_scores, ascore_samples, eval_metrics, eval_params
 from areno.engine.seams import SideSetup
 from areno.errors import ConfigError
 from areno.models.checkpoint_dirs import newest_complete
 from areno.models.hf_io import read_config
 from areno.models.vision import VisionConfig
+from areno.recipes.runner import reward_model_scores
 from areno.rewards.loader import check_reward_started, load_reward, release_reward, start_reward
 from areno.rollout.client import RolloutClient
 from areno.types import SamplingParams, Trajectory
@@ -80,6 +82,7 @@ class TestRolloutManager:
         poll_interval_s: float = 5.0,
         on_metrics: Callable[[int, dict[str, float]], None] | None = None,
         pass_threshold: float | None = None,
+        score_rewards: Callable[[list[Trajectory]], dict[str, float]] | None = None,
     ) -> None:
         """
         Args:
@@ -94,6 +97,8 @@ class TestRolloutManager:
             on_metrics: called from the daemon thread with ``(step, metrics)`` after each evaluation.
             pass_threshold: also report ``eval/pass@k`` over each sample's group of trajectories (a
                 trajectory solves its row at this reward or above); None: the mean reward only.
+            score_rewards: adds what the run's reward model scores to each evaluated trajectory's reward (in
+                place) and returns its figures (``eval/reward_model/*``); None: the reward function's alone.
         """
         if not eval_samples:
             raise ValueError("test rollout needs at least one held-out sample (eval_samples is empty)")
@@ -106,6 +111,7 @@ class TestRolloutManager:
         self.poll_interval_s = poll_interval_s
         self.on_metrics = on_metrics
         self.pass_threshold = pass_threshold
+        self.score_rewards = score_rewards
         self.last_step: int | None = None
         self.evaluated_step: int | None = None
         """The newest checkpoint step whose evaluation finished (``last_step`` is set when it loads)."""
@@ -202,8 +208,10 @@ class TestRolloutManager:
     def _evaluate(self) -> dict[str, float]:
         t0 = time.perf_counter()
         trajectories = self._executor.rollout_batch(self.eval_samples)
+        model_metrics = self.score_rewards(trajectories) if self.score_rewards is not None else {}
         rewards = [t.reward for t in trajectories]
         metrics = {
+            **model_metrics,
             "eval/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "eval/num_trajectories": float(len(trajectories)),
             "eval/reward_errors": float(sum("reward_error" in t.info for t in trajectories)),
@@ -300,13 +308,17 @@ def start_test_rollout(
         )
     reward_fn = load_reward(config.reward)
     side = LocalRolloutSide(config, device)
+    recipe = resolve_recipe(config)
+    scorers: dict = {}
     try:
         start_reward(reward_fn)
         model_dir = prepare_model_dir(config)
         tokenizer = load_tokenizer(model_dir)
         check_reward_started(reward_fn)  # a sandbox worker that cannot import it: named before an engine starts
+        if recipe.reward_syncs:  # loaded before the engine, whose KV pool then leaves them room
+            scorers = reward_model_backends(config, recipe, model_dir, device)
         setup = SideSetup(
-            recipe=resolve_recipe(config),
+            recipe=recipe,
             model_dir=model_dir,
             tokenizer=tokenizer,
             device_bytes_reserved=reserve(device),
@@ -314,6 +326,7 @@ def start_test_rollout(
         side.start(setup)
     except BaseException:
         side.shutdown()  # what it started (nothing before its start)
+        _release(scorers)
         release_reward(reward_fn)
         raise
     vision = read_config(model_dir).vision
@@ -336,10 +349,16 @@ def start_test_rollout(
         rows,
         poll_interval_s=POLL_INTERVAL_S,
         pass_threshold=config.train.eval_pass_threshold,
+        score_rewards=(
+            (lambda ts: add_model_scores([ts], recipe.reward_syncs, lambda b: reward_model_scores(recipe, scorers, b)))
+            if scorers
+            else None
+        ),
     )
 
     def close() -> None:
         side.shutdown()
+        _release(scorers)
         release_reward(reward_fn)
 
     manager.on_stop = close
@@ -348,9 +367,18 @@ def start_test_rollout(
     return manager
 
 
+def _release(backends: dict) -> None:
+    for backend in backends.values():
+        backend.shutdown()
+
+
 def test_metrics(step: int, metrics: dict[str, float]) -> dict[str, float]:
     """The trainer's ``test/*`` metrics of the evaluation of checkpoint ``step``."""
-    passes = {f"test/{k[5:]}": v for k, v in metrics.items() if k.startswith(("eval/pass@", "eval/reward/"))}
+    passes = {
+        f"test/{k[5:]}": v
+        for k, v in metrics.items()
+        if k.startswith(("eval/pass@", "eval/reward/", "eval/reward_model/"))
+    }
     return {
         **passes,
         "test/accuracy": metrics["eval/reward_mean"],

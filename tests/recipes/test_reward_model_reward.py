@@ -208,13 +208,6 @@ def test_settings_it_cannot_take_are_refused(tmp_path, rm_dir):
         _config(tmp_path, "reward.missing_eos_penalty=1.0")
     with pytest.raises(ConfigError, match="reward.missing_eos_penalty: must be a finite number >= 0"):
         _config(tmp_path, f"reward.model={rm_dir}", "reward.missing_eos_penalty=-1.0")
-    background = load_config(
-        None, tiny_run_overrides(tmp_path, num_eval=4) + [f"reward.model={rm_dir}", "test_rollout.enabled=true"]
-    )
-    with pytest.raises(
-        ConfigError, match="test_rollout.enabled: the background test rollout scores .* reward.fn alone"
-    ):
-        check_run(background)
 
 
 def test_add_model_scores_weighs_each_completions_score_into_its_reward():
@@ -267,6 +260,28 @@ def test_held_out_rows_get_the_models_score_in_the_run_and_in_areno_eval(tmp_pat
         for completion, reward, score in zip(row["completions"], row["rewards"], row["reward_model_scores"]):
             expected = sevens_and_length(row["prompt"], completion) + 0.5 * score
             assert reward == pytest.approx(expected, abs=1e-5)
+
+
+def test_the_background_test_rollout_adds_the_models_score_as_areno_eval_does(tmp_path, rm_dir):
+    """test_rollout.enabled: its own engine and its own copy of the reward model; the last checkpoint's test/*
+    figures equal ``areno eval``'s of that checkpoint (greedy, the same rows)."""
+    cfg = load_config(
+        None,
+        tiny_run_overrides(tmp_path, num_eval=4)
+        + [f"reward.model={rm_dir}", "reward.model_weight=0.5", "train.steps=2", "train.eval_interval=0"]
+        + ["test_rollout.enabled=true", "test_rollout.interval=1"],
+    )
+    trainer = Trainer.init(cfg)
+    try:
+        trainer.run()
+    finally:
+        trainer.shutdown()
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = [m for m in logged if m.get("test/step") == 2.0]
+    assert last and "test/reward_model/score_mean" in last[0]
+    got = run_eval(cfg, EvalOptions(checkpoint="latest"))["metrics"]
+    assert last[0]["test/accuracy"] == pytest.approx(got["eval/accuracy"], abs=1e-4)
+    assert last[0]["test/reward_model/score_mean"] == pytest.approx(got["eval/reward_model/score_mean"], abs=1e-4)
 
 
 def test_the_console_shows_the_trained_reward_and_the_models_score():
