@@ -69,7 +69,6 @@ from areno.recipes.traits import stale_teacher_warning
 from areno.rewards.loader import check_reward_signature, reward_functions, takes_answer, wants_sandbox
 from areno.specializations import (
     ActorSpecialization,
-    CriticSpecialization,
     MixedLossDaggerOPDSpecialization,
     ModelSpecialization,
     RewardModelSpecialization,
@@ -147,7 +146,6 @@ def check_run(config: ArenoConfig) -> None:
     check_decay_biases_and_norms(config, recipe)
     check_partitioned_roles(config, recipe)
     check_reference_sync(config, recipe)
-    check_adaptive_kl(recipe)
     check_fresh(config.run_dir, resume=config.resume, overwrite=config.overwrite)
     if config.resume is True and checkpoint.latest_complete(Path(config.run_dir) / "checkpoints") is None:
         raise ConfigError(
@@ -387,28 +385,6 @@ def check_placement(config: ArenoConfig, recipe: TrainingConfig) -> None:
             f"train.algorithm={recipe.name!r} trains offline on the dataset's rows in this process (any held-out "
             f"evaluation samples beside it), but {given} would partition the run: unset it to train colocated "
             "on cluster.device"
-        )
-
-
-def check_adaptive_kl(recipe: TrainingConfig) -> None:
-    """Adaptive KL control (``train.algorithm_kwargs.kl_target``) moves the policy's coefficient; a critic that
-    takes the KL into its returns (``ppo_kl``'s value role) would keep the first one, its value targets then
-    from other rewards than the policy's advantages: refused."""
-    adaptive = [
-        r.name
-        for r in recipe.roles
-        if issubclass(r.specialization_cls, ActorSpecialization) and r.build().config.kl_target is not None
-    ]
-    fixed = [
-        r.name
-        for r in recipe.roles
-        if issubclass(r.specialization_cls, CriticSpecialization) and r.init_kwargs.get("kl_coef", 0) > 0
-    ]
-    if adaptive and fixed:
-        raise ConfigError(
-            f"train.algorithm_kwargs.kl_target: adaptive KL control moves role {adaptive[0]!r}'s coefficient, but "
-            f"recipe {recipe.name!r}'s role {fixed[0]!r} takes the KL into its returns with a fixed one: use a recipe "
-            "whose KL only the policy takes (grpo, reinforce_pp, ...), or drop kl_target"
         )
 
 

@@ -198,6 +198,7 @@ class RecipeRunner:
     ) -> dict[str, TokenBatch]:
         outputs: dict[str, dict[str, torch.Tensor]] = {}
         computed_T: dict[str, torch.Tensor] = {}  # a partial forward's tokens
+        self._follow_shared(trainable)
 
         def forward(role: str, free_B: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
             if role not in outputs:
@@ -259,6 +260,14 @@ class RecipeRunner:
                     f"{name}/{key}": value for key, value in self.specs[name].batch_metrics(prepared[name]).items()
                 }
         return prepared
+
+    def _follow_shared(self, trainable: list[str]) -> None:
+        """Each trainable role takes what the others share (``shared_state``: the policy's KL coefficient, which a
+        critic's returns follow) before the step prepares its batches."""
+        for name in trainable:
+            shared = {k: v for other in trainable if other != name for k, v in self.specs[other].shared_state().items()}
+            if shared:
+                self.specs[name].follow(shared)
 
     def _scored_rewards(self, rollout_data: TokenBatch, forward: Any) -> tuple[TokenBatch, dict[str, float]]:
         """``rollout_data`` with each ``RewardSync``'s weighted score added to its rewards (the roles' forwards

@@ -156,8 +156,8 @@ class ActorConfig:
     coefficient starts at ``kl_coef`` (> 0) and after each optimizer step is multiplied by 1 + e n / ``kl_horizon``,
     e = clip(KL / kl_target - 1, -0.2, 0.2), KL the step's ``actor/kl`` (the policy's KL to the reference over the
     loss tokens) and n the sequences of the step's batch: the KL is held near this target. In the loss or in the
-    reward (``kl_in_reward``); not where a critic takes the KL into its returns (``ppo_kl``: the value role's
-    coefficient stays fixed). Checkpointed. None: ``kl_coef`` fixed."""
+    reward (``kl_in_reward``); a critic that takes the KL into its returns (``ppo_kl``'s value role) follows the
+    moved coefficient (``shared_state``). Checkpointed. None: ``kl_coef`` fixed."""
     kl_horizon: float = 10000.0
     """Adaptive KL control's horizon in sequences (> 0; with ``kl_target``): the larger, the slower the coefficient
     moves. verl's and OpenRLHF's default."""
@@ -409,6 +409,10 @@ class ActorSpecialization(ModelSpecialization):
     @property
     def reads_rewards(self) -> bool:
         return self.config.advantage_estimator != "given"
+
+    def shared_state(self) -> dict[str, float]:
+        # a critic that puts the KL into its returns (ppo_kl) follows the coefficient adaptive control moves
+        return {"kl_coef": self._kl_coef} if self.config.kl_target is not None else {}
 
     @property
     def needs_groups(self) -> str | None:

@@ -95,6 +95,16 @@ class ModelSpecialization(ABC):
         (``rollout.n_samples=1``) it learns nothing, and the run is refused. None: it does not."""
         return None
 
+    def shared_state(self) -> dict[str, float]:
+        """Values of this role's that another role's batch preparation follows (the actor's KL coefficient, which
+        adaptive KL control moves): the runner hands them to every other trainable role's ``follow`` before each
+        step's ``prepare_batch``. Default: none."""
+        return {}
+
+    def follow(self, shared: dict[str, float]) -> None:
+        """Take what the step's other roles share (``shared_state``) before this step's ``prepare_batch``.
+        Default: nothing."""
+
     @property
     def reads_rewards(self) -> bool:
         """Whether ``prepare_batch`` reads the batch's ``rewards_B`` (advantages, returns): a recipe adds a reward

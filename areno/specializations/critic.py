@@ -58,6 +58,11 @@ class CriticSpecialization(ModelSpecialization):
     def reads_rewards(self) -> bool:
         return True
 
+    def follow(self, shared: dict[str, float]) -> None:
+        # the policy's KL coefficient as adaptive KL control moved it: the returns take the penalty its advantages do
+        if self.kl_coef > 0 and "kl_coef" in shared:
+            self.kl_coef = shared["kl_coef"]
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return ScalarHeadModel(model)
 

@@ -1,15 +1,18 @@
 """Adaptive KL control (Ziegler et al. 2019; verl's ``kl_ctrl.type=adaptive``): ``train.algorithm_kwargs.
 kl_target`` multiplies the KL coefficient after each optimizer step by 1 + clip(KL / target - 1, +-0.2) n /
-``kl_horizon``. The rule by hand, the loss and the reward penalty it applies, the refusals, a run's logged
-coefficient against the rule, and a resumed run against an uninterrupted one."""
+``kl_horizon``. The rule by hand, the loss and the reward penalty it applies, the refusals, ppo_kl's critic
+following the moved coefficient, a run's logged coefficient against the rule, and a resumed run against an
+uninterrupted one."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from areno.algo import gae_T, kl_reward_penalty_T
 from areno.api.config import load_config
 from areno.api.preflight import check_run
+from areno.api.trainer import Trainer
 from areno.errors import ConfigError
 from areno.recipes import get_recipe
 from areno.specializations import ActorConfig, ActorSpecialization
@@ -75,10 +78,37 @@ def test_settings_that_cannot_apply_are_refused_in_one_line(kwargs, says):
     assert says in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
-def test_a_critic_that_takes_the_kl_into_its_returns_is_refused(tmp_path):
-    overrides = [*tiny_run_overrides(tmp_path), "train.algorithm=ppo_kl", "train.algorithm_kwargs={kl_target: 0.1}"]
-    with pytest.raises(ConfigError, match=r"kl_target: adaptive KL control moves role 'policy'.* role 'value' takes"):
-        check_run(load_config(None, overrides))
+def test_a_critic_that_takes_the_kl_into_its_returns_follows_the_moved_coefficient(tmp_path):
+    """ppo_kl (the KL in the actor's and the critic's rewards): after a step moved the coefficient, the next step's
+    critic returns take the moved one, as the policy's advantages do: GAE by hand with that penalty."""
+    overrides = [*tiny_run_overrides(tmp_path), "train.algorithm=ppo_kl"]
+    cfg = load_config(None, overrides + ["train.algorithm_kwargs={kl_coef: 0.2, kl_target: 0.002, kl_horizon: 20}"])
+    check_run(cfg)
+    trainer = Trainer.init(cfg)
+    try:
+        trainer.train(0, trainer.rollout_token_batch(0))
+        runner = trainer.backend.engine.training.runner
+        batch = trainer.rollout_token_batch(1).batch
+        prepared = runner.prepare(batch)
+    finally:
+        trainer.shutdown()
+    coef = runner.specs["policy"]._kl_coef
+    critic = runner.specs["value"]
+    assert coef != pytest.approx(0.2) and critic.kl_coef == coef
+    value = prepared["value"]
+    penalty_T = kl_reward_penalty_T(
+        value.logprobs_T, value.extra["ref_logprobs_T"], value.loss_mask_T, coef=coef, estimator=critic.kl_estimator
+    )
+    _, returns_T = gae_T(
+        value.rewards_B,
+        value.extra["old_values_T"],
+        value.cu_seqlens_B1,
+        value.loss_mask_T,
+        gamma=critic.gamma,
+        lam=critic.gae_lambda,
+        token_rewards_T=penalty_T,
+    )
+    torch.testing.assert_close(value.extra["returns_T"], returns_T)
 
 
 KWARGS = "{kl_coef: 0.2, kl_target: 0.002, kl_horizon: 20}"
