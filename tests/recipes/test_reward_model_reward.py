@@ -28,7 +28,7 @@ from areno.observe.metrics import ConsoleSink
 from areno.recipes.config import RewardSync
 from areno.specializations import SequenceScorerSpecialization
 from areno.types import TokenBatch, Trajectory
-from tests.helpers.configs import tiny_run_overrides
+from tests.helpers.configs import run_to_end, tiny_run_overrides
 from tests.helpers.recipes import RM_TINY, save_reward_model
 from tests.helpers.rewards import sevens_and_length
 
@@ -64,14 +64,8 @@ def _config(tmp_path: Path, *extra: str, reward: str = "tests.helpers.rewards:se
     return load_config(None, tiny_run_overrides(tmp_path, num_eval=0, reward=reward) + list(extra))
 
 
-def _scored_steps(cfg) -> list[dict]:
-    """The metrics rows of ``cfg``'s run, trained to its end, that logged the reward model's score."""
-    trainer = Trainer.init(cfg)
-    try:
-        trainer.run()
-    finally:
-        trainer.shutdown()
-    logged = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+def _scored_steps(logged: list[dict]) -> list[dict]:
+    """The metrics rows that logged the reward model's score of a training batch."""
     return [m for m in logged if "train/reward_model/score_mean" in m]
 
 
@@ -139,7 +133,7 @@ def test_prompt_only_rows_train_on_the_model_alone_asynchronously(tmp_path, rm_d
         ],
     )
     assert cfg.reward.paths() == []
-    steps = _scored_steps(cfg)
+    steps = _scored_steps(run_to_end(cfg))
     assert len(steps) == 3
     for m in steps:
         assert m["rollout/reward_mean"] == 0.0
@@ -241,12 +235,7 @@ def test_held_out_rows_get_the_models_score_in_the_run_and_in_areno_eval(tmp_pat
         tiny_run_overrides(tmp_path, num_eval=4)
         + [f"reward.model={rm_dir}", "reward.model_weight=0.5", "train.steps=1"],
     )
-    trainer = Trainer.init(cfg)
-    try:
-        trainer.run()
-    finally:
-        trainer.shutdown()
-    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = run_to_end(cfg)
     evals = [m for m in logged if "eval/accuracy" in m]
     assert evals and all("eval/reward_model/score_mean" in m for m in evals)
     last = evals[-1]
@@ -271,12 +260,7 @@ def test_the_background_test_rollout_adds_the_models_score_as_areno_eval_does(tm
         + [f"reward.model={rm_dir}", "reward.model_weight=0.5", "train.steps=2", "train.eval_interval=0"]
         + ["test_rollout.enabled=true", "test_rollout.interval=1"],
     )
-    trainer = Trainer.init(cfg)
-    try:
-        trainer.run()
-    finally:
-        trainer.shutdown()
-    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = run_to_end(cfg)
     last = [m for m in logged if m.get("test/step") == 2.0]
     assert last and "test/reward_model/score_mean" in last[0]
     got = run_eval(cfg, EvalOptions(checkpoint="latest"))["metrics"]
@@ -340,8 +324,8 @@ def test_a_partitioned_run_scores_on_its_training_worker(tmp_path, rm_dir):
         tiny_run_overrides(tmp_path, num_eval=2)
         + [f"reward.model={rm_dir}", "train.steps=2", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]"],
     )
-    steps = _scored_steps(cfg)
-    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = run_to_end(cfg)
+    steps = _scored_steps(logged)
     assert any("eval/reward_model/score_mean" in m for m in logged)
     assert len(steps) == 2
     for m in steps:
