@@ -49,6 +49,27 @@ QWEN25_15B = {
     "num_key_value_heads": 2,
 }
 
+# OLMo-2-0425-1B's shape (q/k norms over the projections, post-block norms; untied 100k vocabulary)
+OLMO2_1B = {
+    "architectures": ["Olmo2ForCausalLM"],
+    "model_type": "olmo2",
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "vocab_size": 100352,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "eos_token_id": 100257,
+    "pad_token_id": 100277,
+    "torch_dtype": "bfloat16",
+}
+
 COMMIT_ENV = "ARENO_COMMIT"
 """Overrides the commit read from git: a run from an exported tree (``git archive``, no ``.git``)
 sets it to the commit it exported."""

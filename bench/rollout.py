@@ -61,7 +61,7 @@ from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.types import SamplingParams
-from bench._common import QWEN25_05B, QWEN25_15B, emit, headline, parser, profile_cuda
+from bench._common import OLMO2_1B, QWEN25_05B, QWEN25_15B, emit, headline, parser, profile_cuda
 
 # Qwen2.5-0.5B's config.json (shape only; weights are random).
 # ~20M parameters: 8 layers of width 256 and a 32k vocabulary (untied).
@@ -96,6 +96,7 @@ SHAPES = {
     "cpu20m": (CPU_20M, 32, 128),
     "qwen0.5b": (QWEN25_05B, 64, 512),
     "qwen1.5b": (QWEN25_15B, 64, 512),
+    "olmo2-1b": (OLMO2_1B, 64, 512),
     "tiny": (TINY, 4, 8),
 }
 

@@ -50,11 +50,11 @@ from areno.models.hf_io import init_model_dir, tiny_config
 from areno.models.logprobs import packed_logprobs
 from areno.train import FSDP2TrainBackend, LocalTrainBackend, TrainBackendConfig
 from areno.types import TokenBatch
-from bench._common import QWEN25_05B, QWEN25_15B, emit, headline, parser, profile_cuda, ratio
+from bench._common import OLMO2_1B, QWEN25_05B, QWEN25_15B, emit, headline, parser, profile_cuda, ratio
 
 H200_PEAK_BF16 = 989e12
 
-SHAPES = {"qwen2.5-0.5b": QWEN25_05B, "qwen2.5-1.5b": QWEN25_15B}
+SHAPES = {"qwen2.5-0.5b": QWEN25_05B, "qwen2.5-1.5b": QWEN25_15B, "olmo2-1b": OLMO2_1B}
 
 
 # ----------------------------------------------------------------------------- batches and FLOPs
@@ -319,7 +319,7 @@ def cpu_run(args, workdir: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = parser("train", __doc__)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b"], choices=list(SHAPES))
     p.add_argument("--backend", choices=("fsdp2", "local"), default="fsdp2")
     p.add_argument("--mb-tokens", type=int, default=4096)
     p.add_argument("--mbs-per-step", type=int, default=4)

@@ -12,6 +12,8 @@ Supported architectures (``architectures[0]`` in ``config.json``) and what sets 
   place of the MLP in the layers ``decoder_sparse_step`` / ``mlp_only_layers`` select; ``norm_topk_prob``.
 - ``MixtralForCausalLM`` Mistral's attention; a sparse mixture-of-experts block in every layer, top-k
   weights always renormalised.
+- ``Olmo2ForCausalLM``   RMSNorm over the whole q and k projections (``qk_norm_scope="projection"``) and
+  each block's norm on its output, before the residual add (``norm_layout="post"``); optional q/k/v/o bias.
 
 Both the legacy ``rope_theta``/``rope_scaling`` keys and the ``rope_parameters`` dict of
 transformers 5 are read; ``to_hf`` writes the legacy keys, which every transformers version and
@@ -33,6 +35,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Olmo2ForCausalLM": "olmo2",
 }
 SEQUENCE_CLASSIFIER_SUFFIX = "ForSequenceClassification"
 """transformers' scalar-head layout (``score.weight`` [num_labels, hidden] on the decoder, no LM
@@ -88,7 +91,14 @@ class ModelConfig:
     mlp_bias: bool = False
     """Bias on gate/up/down projections (Llama ``mlp_bias``)."""
     qk_norm: bool = False
-    """RMSNorm over head_dim on q and k before RoPE (Qwen3)."""
+    """RMSNorm on q and k before RoPE (Qwen3, OLMo 2), over ``qk_norm_scope``."""
+    qk_norm_scope: str = "head"
+    """What the q/k norms normalise: ``head`` (each head's Dh, weights [Dh]: Qwen3) or ``projection`` (the
+    whole q and k projections, weights [Hq*Dh] and [Hkv*Dh]: OLMo 2)."""
+    norm_layout: str = "pre"
+    """``pre``: each block reads a normed input (``input_layernorm``, ``post_attention_layernorm``: Llama);
+    ``post``: each block's output is normed before its residual add (``post_attention_layernorm``,
+    ``post_feedforward_layernorm``; the weight applied in float32: OLMo 2)."""
     sliding_window: int | None = None
     """Mistral sliding attention window (a query sees the last ``sliding_window`` keys), or None."""
     initializer_range: float = 0.02
@@ -191,8 +201,14 @@ class ModelConfig:
     def _check_arch_flags(self) -> None:
         """Only flag combinations that transformers' class for ``architecture`` can express."""
         arch = self.architecture
-        if self.qk_norm != (arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")):
-            raise ValueError(f"qk_norm={self.qk_norm} is impossible for {arch} (only Qwen3 has q/k norms)")
+        if self.qk_norm != (arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM")):
+            raise ValueError(f"qk_norm={self.qk_norm} is impossible for {arch} (only Qwen3 and OLMo 2 have q/k norms)")
+        scope, layout = ("projection", "post") if arch == "Olmo2ForCausalLM" else ("head", "pre")
+        if (self.qk_norm_scope, self.norm_layout) != (scope, layout):
+            raise ValueError(
+                f"{arch} has qk_norm_scope={scope!r} and norm_layout={layout!r}, "
+                f"not {self.qk_norm_scope!r} and {self.norm_layout!r}"
+            )
         if arch in ("Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration") and (
             not self.attention_bias or self.attention_out_bias
         ):
@@ -200,7 +216,7 @@ class ModelConfig:
                 "Qwen2ForCausalLM has q/k/v bias and no o_proj bias: set attention_bias=True, attention_out_bias=False"
             )
         if (
-            arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+            arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM")
             and self.attention_bias != self.attention_out_bias
         ):
             raise ValueError(f"{arch} biases q/k/v/o together: attention_bias must equal attention_out_bias")
@@ -280,7 +296,7 @@ class ModelConfig:
         if self.attention_out_bias:
             attn += d
         if self.qk_norm:
-            attn += 2 * dh
+            attn += 2 * dh if self.qk_norm_scope == "head" else (hq + hkv) * dh
         mlp = 3 * d * inter + ((2 * inter + d) if self.mlp_bias else 0)
         moe = self.num_experts * (3 * d * self.moe_intermediate_size + d)  # experts + router row
         sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
@@ -353,7 +369,9 @@ class ModelConfig:
             attention_bias=qkv_bias,
             attention_out_bias=out_bias,
             mlp_bias=bool(d.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM"),
+            qk_norm_scope="projection" if arch == "Olmo2ForCausalLM" else "head",
+            norm_layout="post" if arch == "Olmo2ForCausalLM" else "pre",
             sliding_window=sliding_window,
             initializer_range=float(d.get("initializer_range", 0.02)),
             architecture=arch,
@@ -390,7 +408,7 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         }
-        if self.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        if self.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM"):
             d["attention_bias"] = self.attention_bias
         if self.architecture == "LlamaForCausalLM":
             d["mlp_bias"] = self.mlp_bias
@@ -476,6 +494,8 @@ HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {**_COMMON, **_QWEN_WINDOW, "num_key_value_heads": 4, "max_position_embeddings": 32768,
                   "attention_bias": False, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                   "norm_topk_prob": False, "decoder_sparse_step": 1, "router_aux_loss_coef": 0.001, "rope_theta": 1e4},
+    "olmo2": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "attention_bias": False,
+              "rope_theta": 1e4},
 }  # fmt: skip
 """What transformers' config classes give the config.json keys areno reads when a file leaves them out
 (their ``__init__`` defaults, ``rope_theta`` their ``default_theta``; checked against transformers in the
@@ -514,7 +534,7 @@ def _sliding_window(arch: str, d: dict[str, Any]) -> int | None:
         window = d.get("sliding_window")
         if arch == "MixtralForCausalLM" or types is None:  # transformers reads layer_types for Mistral only
             return window
-    elif arch == "LlamaForCausalLM":
+    elif arch in ("LlamaForCausalLM", "Olmo2ForCausalLM"):  # transformers gives them no window
         return None
     else:  # the Qwen family: windows only with use_sliding_window, from layer max_window_layers on
         window = d.get("sliding_window") if d.get("use_sliding_window") else None

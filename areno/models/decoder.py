@@ -36,7 +36,7 @@ from areno.models.attention import (
     varlen_available,
 )
 from areno.models.config import ModelConfig
-from areno.models.eager_ops import eager_rms_norm, eager_rope
+from areno.models.eager_ops import eager_rms_norm, eager_rms_norm_fp32_scale, eager_rope
 from areno.models.prefix_sharing import SharedPrefixAttention
 from areno.models.tp_plan import TPReduce, check_tp_size
 
@@ -55,6 +55,7 @@ __all__ = [
     "TPReduce",
     "apply_rope",
     "eager_rms_norm",
+    "eager_rms_norm_fp32_scale",
     "eager_rope",
     "rope_inv_freq",
     "varlen_available",
@@ -121,20 +122,24 @@ def apply_rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) 
 
 # ------------------------------------------------------------------------------------- modules
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, output cast back, then scaled (transformers' order)."""
+    """RMSNorm computed in float32, output cast back, then scaled (transformers' Llama order); with
+    ``scale_in_float32`` scaled in float32 and cast once, to x's dtype (OLMo 2's order)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, *, scale_in_float32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.scale_in_float32 = scale_in_float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fused_ops.active(x):
-            return fused_ops.rms_norm(x, self.weight, self.eps)
-        if cpu_train_ops.applies(x):
-            out = cpu_train_ops.rms_norm(x, self.weight, self.eps)
+            return fused_ops.rms_norm(x, self.weight, self.eps, scale_in_float32=self.scale_in_float32)
+        if cpu_train_ops.applies(x) and not (self.scale_in_float32 and x.dtype != torch.float32):
+            out = cpu_train_ops.rms_norm(x, self.weight, self.eps)  # float32 only: both orders agree there
             if out is not None:
                 return out
+        if self.scale_in_float32:
+            return eager_rms_norm_fp32_scale(x, self.weight, self.eps)
         return eager_rms_norm(x, self.weight, self.eps)
 
 
@@ -153,9 +158,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.num_kv_heads * dh, bias=config.attention_bias)
         self.v_proj = nn.Linear(d, self.num_kv_heads * dh, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * dh, d, bias=config.attention_out_bias)
+        # Qwen3 normalises each head (weights [Dh]); OLMo 2 the whole projection, before the head split
+        self.qk_norm_heads = config.qk_norm and config.qk_norm_scope == "head"
         if config.qk_norm:
-            self.q_norm = RMSNorm(dh, config.rms_norm_eps)
-            self.k_norm = RMSNorm(dh, config.rms_norm_eps)
+            per_head = config.qk_norm_scope == "head"
+            fp32 = config.norm_layout == "post"  # OLMo 2's norms all scale in float32
+            q_width, k_width = (dh, dh) if per_head else (self.num_heads * dh, self.num_kv_heads * dh)
+            self.q_norm = RMSNorm(q_width, config.rms_norm_eps, scale_in_float32=fp32)
+            self.k_norm = RMSNorm(k_width, config.rms_norm_eps, scale_in_float32=fp32)
         self.qkv: fused_linear.FusedRows | None = None
         """Set by ``Decoder.fuse_projections``: q/k/v weights as row slices of one tensor."""
 
@@ -173,6 +183,8 @@ class Attention(nn.Module):
                 inference.linear(self.k_proj, x_TD),
                 inference.linear(self.v_proj, x_TD),
             )
+        if hasattr(self, "q_norm") and not self.qk_norm_heads:
+            q_TN, k_TN = self.q_norm(q_TN), self.k_norm(k_TN)
         q_THD = q_TN.view(T, -1, self.head_dim)
         k_THD = k_TN.view(T, -1, self.head_dim)
         v_THD = v_TN.view(T, -1, self.head_dim)
@@ -189,7 +201,7 @@ class Attention(nn.Module):
             qk_THD = apply_rope(qkv_TN[:, : (hq + hk) * self.head_dim].view(T, hq + hk, self.head_dim), cos_TF, sin_TF)
             q_THD, k_THD = qk_THD[:, :hq], qk_THD[:, hq:]
         else:
-            if hasattr(self, "q_norm"):
+            if self.qk_norm_heads:
                 q_THD = self.q_norm(q_THD)
                 k_THD = self.k_norm(k_THD)
             q_THD = apply_rope(q_THD, cos_TF, sin_TF)
@@ -257,12 +269,21 @@ class DecoderLayer(nn.Module):
         self.mlp = (
             moe.SparseMoE(config, layer_idx) if config.is_moe_layer(layer_idx) else MLP(config, tp_size, tp_reduce)
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.post_norms = config.norm_layout == "post"
+        if self.post_norms:  # OLMo 2: each block's output normed before its residual add
+            self.post_attention_layernorm = RMSNorm(d, eps, scale_in_float32=True)
+            self.post_feedforward_layernorm = RMSNorm(d, eps, scale_in_float32=True)
+        else:
+            self.input_layernorm = RMSNorm(d, eps)
+            self.post_attention_layernorm = RMSNorm(d, eps)
 
     def forward(
         self, x_TD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
+        if self.post_norms:
+            x_TD = x_TD + self.post_attention_layernorm(self.self_attn(x_TD, cos_TF, sin_TF, attn))
+            return x_TD + self.post_feedforward_layernorm(self.mlp(x_TD))
         x_TD = x_TD + self.self_attn(self.input_layernorm(x_TD), cos_TF, sin_TF, attn)
         return x_TD + self.mlp(self.post_attention_layernorm(x_TD))
 
@@ -279,11 +300,11 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, tp_size, tp_reduce) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_float32=config.norm_layout == "post")
 
 
 class Decoder(nn.Module):
-    """Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral decoder over packed 1-D token streams.
+    """Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral / OLMo 2 decoder over packed 1-D token streams.
 
     Tensor parallelism without torch.distributed in the model: with ``tp_size > 1`` this module
     holds one rank's shards as laid out by ``tp_plan`` (1/tp of the heads, the MLP columns and,
@@ -407,7 +428,8 @@ class Decoder(nn.Module):
             self.prepare_attention(attn, x_TD)
         cos_PF, sin_PF = self.rope.get(x_TD.device, x_TD.dtype)
         cos_TF, sin_TF = cos_PF[position_ids_T], sin_PF[position_ids_T]
-        if fused_ops.add_norm_active(x_TD):
+        # the fused add + norm kernels norm the sum of a residual add: the pre-norm layout's pair
+        if fused_ops.add_norm_active(x_TD) and self.config.norm_layout == "pre":
             return inference.forward_add_norm(self.model.layers, self.model.norm, x_TD, cos_TF, sin_TF, attn)
         return self.forward_layers(x_TD, cos_TF, sin_TF, attn)
 

@@ -21,3 +21,9 @@ def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     """RMSNorm computed in float32, output cast back, then scaled (transformers' order)."""
     x32 = x.float()
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def eager_rms_norm_fp32_scale(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed and scaled in float32, cast once to x's dtype (transformers' OLMo 2 order)."""
+    x32 = x.float()
+    return (weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)

@@ -128,13 +128,15 @@ if triton is not None:
             return x.to(dtype).to(tl.float32)
 
     @triton.jit
-    def _rms_norm_kernel(X, W, Y, stride_x, stride_y, D, eps, BLOCK_D: tl.constexpr):
+    def _rms_norm_kernel(X, W, Y, stride_x, stride_y, D, eps, BLOCK_D: tl.constexpr, SCALE_FP32: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
         mask = cols < D
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         var = tl.sum(x * x, axis=0) / D
-        xn = _round_to(x * tl.math.rsqrt(var + eps), X.dtype.element_ty)  # eager: x32 * rsqrt(...), cast
+        xn = x * tl.math.rsqrt(var + eps)
+        if not SCALE_FP32:  # eager (Llama): x32 * rsqrt(...), cast, then scaled; OLMo 2 scales in float32
+            xn = _round_to(xn, X.dtype.element_ty)
         w = tl.load(W + cols, mask=mask, other=0.0)
         y = w.to(tl.float32) * xn  # eager: weight * x (rounded once, to Y's dtype)
         tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
@@ -299,16 +301,26 @@ if triton is not None:
         tl.store(Y + offs, (act * u).to(Y.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`` over the last dim, one kernel."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_in_float32: bool = False) -> torch.Tensor:
+    """``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`` over the last dim, one kernel; with
+    ``scale_in_float32`` ``(weight * x32 * rsqrt(...)).to(x.dtype)`` (``eager_rms_norm_fp32_scale``)."""
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    dtype = x.dtype if scale_in_float32 else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x2.shape, dtype=dtype, device=x.device)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, weight, out, x2.stride(0), out.stride(0), D, eps, BLOCK_D=triton.next_power_of_2(D)
+            x2,
+            weight,
+            out,
+            x2.stride(0),
+            out.stride(0),
+            D,
+            eps,
+            BLOCK_D=triton.next_power_of_2(D),
+            SCALE_FP32=scale_in_float32,
         )
     return out.view(*x.shape[:-1], D)
 

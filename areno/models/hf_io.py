@@ -41,6 +41,7 @@ _TINY_ARCHS = {
     "mistral": "MistralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 
 
@@ -425,7 +426,7 @@ def tiny_config(
 ) -> ModelConfig:
     """A small ``ModelConfig`` of the given family for tests and demos.
 
-    ``arch``: llama, qwen2, qwen3, mistral, qwen3_moe or mixtral (4 experts, top-2, each half the
+    ``arch``: llama, qwen2, qwen3, mistral, olmo2, qwen3_moe or mixtral (4 experts, top-2, each half the
     dense MLP's width). ``kw`` overrides any other ModelConfig field
     (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``). Token ids default to the char
     tokenizer's (pad 0, bos 1, eos 2).
@@ -448,7 +449,9 @@ def tiny_config(
         max_position_embeddings=2048,
         attention_bias=qkv_bias,
         attention_out_bias=False,
-        qk_norm=arch in ("qwen3", "qwen3_moe"),
+        qk_norm=arch in ("qwen3", "qwen3_moe", "olmo2"),
+        qk_norm_scope="projection" if arch == "olmo2" else "head",
+        norm_layout="post" if arch == "olmo2" else "pre",
         architecture=architecture,
         model_type=SUPPORTED_ARCHITECTURES[architecture],
         pad_token_id=0,

@@ -64,6 +64,8 @@ def tp_plan(config: ModelConfig) -> dict[str, str]:
     if config.qk_norm:
         plan[f"{layer}self_attn.q_norm.weight"] = REPLICATE
         plan[f"{layer}self_attn.k_norm.weight"] = REPLICATE
+    if config.norm_layout == "post":
+        plan[f"{layer}post_feedforward_layernorm.weight"] = REPLICATE
     if not config.tie_word_embeddings:
         plan["lm_head.weight"] = COLWISE
     if config.num_experts:  # expert models run whole (check_tp_size): their sparse blocks are never split
@@ -102,6 +104,16 @@ def shard_tensor(full: torch.Tensor, style: str, rank: int, tp_size: int) -> tor
     return full.narrow(dim, rank * (size // tp_size), size // tp_size)
 
 
+def check_tp_norms(config: ModelConfig, tp_size: int) -> None:
+    """One-line ValueError for q/k norms over the whole projection (OLMo 2) under ``tp_size > 1``: each
+    rank holds some heads, and the norm reads all of them."""
+    if tp_size > 1 and config.qk_norm and config.qk_norm_scope == "projection":
+        raise ValueError(
+            f"tp_size={tp_size}: {config.architecture} normalises q and k over all heads together, which "
+            "tensor parallelism splits; tensor parallelism of it is not supported: use tp_size=1"
+        )
+
+
 def check_tp_size(config: ModelConfig, tp_size: int) -> None:
     """One-line ValueError when ``tp_size`` cannot split this model's heads, MLP or vocabulary."""
     if tp_size < 1:
@@ -111,6 +123,7 @@ def check_tp_size(config: ModelConfig, tp_size: int) -> None:
             f"tp_size={tp_size}: tensor parallelism of mixture-of-experts models ({config.architecture}) "
             "is not supported; use tp_size=1"
         )
+    check_tp_norms(config, tp_size)
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(config, field)
         if value % tp_size:

@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint
 import areno.train.vocab_parallel  # noqa: F401  (routes DTensor LM heads to the vocab-parallel log-probs)
 from areno.errors import ConfigError
 from areno.models.moe import sparse_blocks
-from areno.models.tp_plan import COLWISE, ROWWISE, tp_plan, tp_style
+from areno.models.tp_plan import COLWISE, ROWWISE, check_tp_norms, tp_plan, tp_style
 from areno.models.vision import vision_towers
 from areno.train.config import COMPILE_SCOPES, TrainBackendConfig
 from areno.train.context_parallel import apply_context_parallel
@@ -87,6 +87,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: bool = Tr
     if vision_towers(model):
         # the plan covers the decoder only; a replicated tower beside a sharded decoder is untested
         raise ConfigError(f"train tp_size={tp}: vision-language models train without tensor parallelism; set tp 1")
+    try:
+        check_tp_norms(cfg, tp)
+    except ValueError as e:
+        raise ConfigError(f"train {e}") from None
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         if getattr(cfg, name) % tp != 0:
             raise ValueError(f"tp_size={tp} does not divide {name}={getattr(cfg, name)}; pick a divisor of it")

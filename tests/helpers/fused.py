@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 
 from areno.models import cpu_train_ops, fused_ops
-from areno.models.eager_ops import eager_rms_norm, eager_rope
+from areno.models.eager_ops import eager_rms_norm, eager_rms_norm_fp32_scale, eager_rope
+
+
+def _eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_in_float32: bool = False):
+    """``fused_ops.rms_norm``'s eager reference, in either order."""
+    return (eager_rms_norm_fp32_scale if scale_in_float32 else eager_rms_norm)(x, weight, eps)
 
 
 def _cpu_rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
@@ -20,7 +25,7 @@ def emulate_fused_path_on_cpu(monkeypatch) -> None:
     RoPE over q and k, add+norm pairs, the MLP's halves) is then checked on the CPU."""
     monkeypatch.setattr(fused_ops, "active", lambda x: not torch.is_grad_enabled())
     monkeypatch.setattr(fused_ops, "add_norm_active", lambda x: not torch.is_grad_enabled())
-    monkeypatch.setattr(fused_ops, "rms_norm", eager_rms_norm)
+    monkeypatch.setattr(fused_ops, "rms_norm", _eager_rms_norm)
     monkeypatch.setattr(fused_ops, "rope", _cpu_rope)
     monkeypatch.setattr(fused_ops, "add_rms_norm", fused_ops.eager_add_rms_norm)
     monkeypatch.setattr(fused_ops, "silu_mul", lambda g, u: torch.nn.functional.silu(g) * u)

@@ -55,7 +55,7 @@ def naive_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[floa
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=10, ignore_eos=True, seed=11)
-ARCHS = ["qwen2", "llama"]  # q/k/v bias, no bias
+ARCHS = ["qwen2", "llama", "olmo2"]  # q/k/v bias, no bias, q/k norms and post-block norms
 
 
 def model_of(arch: str, seed: int = 0) -> tuple[Decoder, object]:

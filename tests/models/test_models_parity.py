@@ -32,6 +32,8 @@ CASES = {
     "qwen3_tied": dict(arch="qwen3", tie_word_embeddings=True),
     "mistral_window": dict(arch="mistral", sliding_window=6),
     "mha": dict(arch="qwen2", kv_heads=4),
+    "olmo2": dict(arch="olmo2"),
+    "olmo2_tied_bias": dict(arch="olmo2", tie_word_embeddings=True, attention_bias=True, attention_out_bias=True),
 }
 
 

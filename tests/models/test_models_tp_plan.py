@@ -20,6 +20,7 @@ VOCAB = 40
         dict(arch="qwen3", tie_word_embeddings=True),
         dict(arch="llama", attention_bias=True, attention_out_bias=True, mlp_bias=True),
         dict(arch="mistral"),
+        dict(arch="olmo2", attention_bias=True, attention_out_bias=True),
     ],
 )
 def test_plan_covers_every_parameter(kw):

@@ -378,7 +378,7 @@ def test_context_limit_finishes_with_length(tiny):
     assert len(out.output_ids) == 4 and out.finish_reason == "length"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "olmo2"])
 def test_other_families(arch):
     kw = {"sliding_window": 6} if arch == "mistral" else {}
     model, cfg = make_model(0, arch=arch, **kw)
