@@ -101,18 +101,59 @@ MISTRAL_7B_V01 = {
     "vocab_size": 32000,
 }
 
+OLMO2_1B = {
+    "architectures": ["Olmo2ForCausalLM"],
+    "model_type": "olmo2",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": None,
+    "eos_token_id": 100257,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 4096,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 16,
+    "pad_token_id": 100277,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 500000,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "vocab_size": 100352,
+}
+# OLMo 2 32B: grouped k/v heads, so its k norm is narrower than its q norm
+OLMO2_32B = {
+    **OLMO2_1B,
+    "hidden_size": 5120,
+    "intermediate_size": 27648,
+    "num_attention_heads": 40,
+    "num_hidden_layers": 64,
+    "num_key_value_heads": 8,
+}
+
 
 @pytest.mark.parametrize(
     "d, n_params",
-    [(QWEN25_05B, 494_032_768), (QWEN3_06B, 596_049_920), (LLAMA32_1B, 1_235_814_400), (MISTRAL_7B_V01, 7_241_732_096)],
-    ids=["qwen2.5-0.5b", "qwen3-0.6b", "llama3.2-1b", "mistral-7b-v0.1"],
+    [
+        (QWEN25_05B, 494_032_768),
+        (QWEN3_06B, 596_049_920),
+        (LLAMA32_1B, 1_235_814_400),
+        (MISTRAL_7B_V01, 7_241_732_096),
+        (OLMO2_1B, 1_484_916_736),
+        (OLMO2_32B, 32_234_279_936),
+    ],
+    ids=["qwen2.5-0.5b", "qwen3-0.6b", "llama3.2-1b", "mistral-7b-v0.1", "olmo2-1b", "olmo2-32b"],
 )
 def test_real_configs(d, n_params, tmp_path):
     config = ModelConfig.from_hf(d)
     assert config.num_params() == n_params
     assert config.head_dim == d.get("head_dim", d["hidden_size"] // d["num_attention_heads"])
     assert config.attention_bias == (d["model_type"] == "qwen2")
-    assert config.qk_norm == (d["model_type"] == "qwen3")
+    assert config.qk_norm == (d["model_type"] in ("qwen3", "olmo2"))
+    assert config.norm_layout == ("post" if d["model_type"] == "olmo2" else "pre")
     assert config.sliding_window == (4096 if d["model_type"] == "mistral" else None)
     # Round trip through our writer and transformers' reader.
     hf = config.to_hf()
