@@ -23,6 +23,7 @@ inference server reads.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,7 @@ def causal_architecture(arch: str) -> str:
 
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,9 +78,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """RoPE base frequency."""
     rope_scaling: dict[str, Any] | None = None
-    """None, or a dict with ``rope_type`` in ("default", "llama3", "linear") and its parameters
+    """None, or a dict with ``rope_type`` in ("default", "llama3", "linear", "yarn") and its parameters
     (llama3: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings;
-    linear: factor)."""
+    linear: factor; yarn: original_max_position_embeddings and optionally factor, attention_factor,
+    beta_fast, beta_slow, mscale, mscale_all_dim, truncate)."""
     max_position_embeddings: int = 2048
     """Longest position the model was built for; RoPE tables are sized to it."""
     tie_word_embeddings: bool = False
@@ -183,6 +185,7 @@ class ModelConfig:
                 "default": (),
                 "linear": ("factor",),
                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                "yarn": ("original_max_position_embeddings",),
             }[rope_type]
             missing = [k for k in need if k not in scaling]
             if missing:
@@ -607,10 +610,26 @@ def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type == "default":
             scaling = None
-        elif rope_type == "llama3" and "original_max_position_embeddings" not in scaling:
+        if rope_type == "yarn":
+            _check_yarn_factor(scaling, d.get("max_position_embeddings", 2048))
+        if rope_type in ("llama3", "yarn") and scaling.get("original_max_position_embeddings") is None:
             # transformers' fallback
             scaling["original_max_position_embeddings"] = d.get("max_position_embeddings")
     return float(theta), scaling or None
+
+
+def _check_yarn_factor(scaling: dict[str, Any], max_positions: int) -> None:
+    """transformers 4.x scales YaRN by max_position_embeddings / original_max_position_embeddings where the
+    file gives the original length, 5.x (and vLLM) by ``factor``: a file where the two differ computes
+    another model under each, so it is refused with the fix."""
+    factor, original = scaling.get("factor"), scaling.get("original_max_position_embeddings")
+    if factor is None or not original or math.isclose(float(factor), max_positions / original):
+        return
+    raise ValueError(
+        f"config.json rope_scaling yarn: factor {factor} but max_position_embeddings / original_max_position_embeddings"
+        f" = {max_positions}/{original} (transformers 4.x scales by that ratio, 5.x and vLLM by factor): set "
+        f"max_position_embeddings to {round(float(factor) * original)}"
+    )
 
 
 def _flatten_vl(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], tuple[int, ...]]:

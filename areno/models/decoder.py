@@ -64,7 +64,7 @@ __all__ = [
 
 # ----------------------------------------------------------------------------------------- RoPE
 def rope_inv_freq(config: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
-    """float32 [Dh/2] inverse frequencies, with linear / Llama 3 scaling, computed as transformers does."""
+    """float32 [Dh/2] inverse frequencies, with linear / Llama 3 / YaRN scaling, computed as transformers does."""
     dim = config.head_dim
     base = config.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
@@ -73,6 +73,8 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str = "cpu") -> to
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(config, device)
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
     factor = scaling["factor"]
     low_ff, high_ff = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -84,6 +86,55 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str = "cpu") -> to
     smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def _yarn_inv_freq(config: ModelConfig, device: torch.device | str) -> torch.Tensor:
+    """YaRN's frequencies (transformers' ``_compute_yarn_parameters``): interpolated by ``factor`` below the
+    ``beta_slow`` rotations over the original context, extrapolated (unchanged) above ``beta_fast``, ramped
+    linearly between."""
+    scaling, dim, base = config.rope_scaling or {}, config.head_dim, config.rope_theta
+    factor, original = yarn_factor(config), scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns ``rotations`` times over the context
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1).to(device)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(device=device, dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def yarn_factor(config: ModelConfig) -> float:
+    """YaRN's scale: ``factor``, else the context's growth over the original (transformers 5's fallback)."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("factor") is not None:
+        return float(scaling["factor"])
+    return config.max_position_embeddings / scaling["original_max_position_embeddings"]
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What cos and sin are multiplied by: 1, or YaRN's attention factor (given, or its ``mscale`` rule)."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = yarn_factor(config)
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 0.1 * mscale * math.log(scale) + 1.0 if scale > 1 else 1.0
+
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+    return get_mscale(factor)
 
 
 class RotaryCache:
@@ -103,7 +154,8 @@ class RotaryCache:
             inv_freq = rope_inv_freq(self.config, device)
             pos_P = torch.arange(self.config.max_position_embeddings, device=device, dtype=torch.float32)
             freqs = pos_P[:, None] * inv_freq[None, :]
-            self._tables[key] = (freqs.cos().to(dtype), freqs.sin().to(dtype))
+            scale = rope_attention_factor(self.config)  # YaRN's, as transformers applies it to cos and sin
+            self._tables[key] = ((freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype))
         return self._tables[key]
 
 

@@ -20,6 +20,9 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,
 }
+# YaRN over a short original context, so positions of a few tokens already sit on its ramp
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+YARN_MSCALE = {**YARN, "mscale": 0.9, "mscale_all_dim": 0.6, "beta_fast": 16, "beta_slow": 2}
 CASES = {
     "llama": dict(arch="llama"),
     "llama_tied_bias": dict(
@@ -32,6 +35,12 @@ CASES = {
     "qwen3_tied": dict(arch="qwen3", tie_word_embeddings=True),
     "mistral_window": dict(arch="mistral", sliding_window=6),
     "mha": dict(arch="qwen2", kv_heads=4),
+    # max_position_embeddings = factor x the original length, which transformers 4.x reads as the factor
+    "qwen3_yarn": dict(arch="qwen3", rope_scaling=YARN, rope_theta=100.0, max_position_embeddings=32),
+    "llama_yarn_mscale": dict(arch="llama", rope_scaling=YARN_MSCALE, rope_theta=100.0, max_position_embeddings=32),
+    "llama_yarn_attention_factor": dict(
+        arch="llama", rope_scaling={**YARN, "attention_factor": 1.3}, max_position_embeddings=32
+    ),
     "olmo2": dict(arch="olmo2"),
     "olmo2_tied_bias": dict(arch="olmo2", tie_word_embeddings=True, attention_bias=True, attention_out_bias=True),
 }
@@ -246,8 +255,23 @@ def test_load_errors(tmp_path, char_tokenizer):
 def test_config_validation_errors():
     with pytest.raises(ValueError, match="num_key_value_heads"):
         tiny_config(VOCAB, heads=4, kv_heads=3)
-    with pytest.raises(ValueError, match="yarn"):
+    with pytest.raises(ValueError, match="dynamic"):
+        tiny_config(VOCAB, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match=r"lacks \['original_max_position_embeddings'\]"):
         tiny_config(VOCAB, rope_scaling={"rope_type": "yarn", "factor": 2.0})
+    # Qwen3's documented YaRN block beside its unchanged 40,960 positions: transformers versions disagree
+    qwen3 = tiny_config(VOCAB, arch="qwen3").to_hf() | {"max_position_embeddings": 40960}
+    qwen3["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    with pytest.raises(
+        ValueError, match="yarn: factor 4.0 but .* = 40960/32768 .*set max_position_embeddings to 131072"
+    ):
+        ModelConfig.from_hf(qwen3)
+    qwen3["max_position_embeddings"] = 131072
+    assert ModelConfig.from_hf(qwen3).rope_scaling["factor"] == 4.0
+    # no original length: every transformers version takes max_position_embeddings and the factor as given
+    qwen3["rope_scaling"] = {"rope_type": "yarn", "factor": 2.0}
+    read = ModelConfig.from_hf(qwen3 | {"max_position_embeddings": 64}).rope_scaling
+    assert read["factor"] == 2.0 and read["original_max_position_embeddings"] == 64
     with pytest.raises(ValueError, match="hidden_act"):
         ModelConfig.from_hf(tiny_config(VOCAB).to_hf() | {"hidden_act": "gelu"})
     with pytest.raises(ValueError, match=r"sliding-window attention on layers \[1\] only \(of 2\)"):
