@@ -12,6 +12,9 @@ Supported architectures (``architectures[0]`` in ``config.json``) and what sets 
   place of the MLP in the layers ``decoder_sparse_step`` / ``mlp_only_layers`` select; ``norm_topk_prob``.
 - ``MixtralForCausalLM`` Mistral's attention; a sparse mixture-of-experts block in every layer, top-k
   weights always renormalised.
+- ``Phi3ForCausalLM``    Llama's layers with no bias and an optional sliding window in every layer; its
+  checkpoints store q/k/v and gate/up packed (``packed_projections``). LongRoPE and partial rotary
+  embeddings (Phi-3-128k, Phi-3.5, Phi-4-mini) are refused; Phi-3-4k, Phi-3-medium and Phi-4 load.
 - ``Olmo2ForCausalLM``   RMSNorm over the whole q and k projections (``qk_norm_scope="projection"``) and
   each block's norm on its output, before the residual add (``norm_layout="post"``); optional q/k/v/o bias.
 
@@ -37,6 +40,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Olmo2ForCausalLM": "olmo2",
+    "Phi3ForCausalLM": "phi3",
 }
 SEQUENCE_CLASSIFIER_SUFFIX = "ForSequenceClassification"
 """transformers' scalar-head layout (``score.weight`` [num_labels, hidden] on the decoder, no LM
@@ -52,6 +56,8 @@ def causal_architecture(arch: str) -> str:
 
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+"""The layouts transformers gives one sliding window in every layer (``sliding_window`` in config.json)."""
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
@@ -223,14 +229,14 @@ class ModelConfig:
             and self.attention_bias != self.attention_out_bias
         ):
             raise ValueError(f"{arch} biases q/k/v/o together: attention_bias must equal attention_out_bias")
-        if arch in ("MistralForCausalLM", "MixtralForCausalLM") and (self.attention_bias or self.attention_out_bias):
+        if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM") and (
+            self.attention_bias or self.attention_out_bias
+        ):
             raise ValueError(f"{arch} has no attention bias")
         if self.mlp_bias and arch != "LlamaForCausalLM":
             raise ValueError(f"mlp_bias=True is only expressible for LlamaForCausalLM, not {arch}")
-        if self.sliding_window is not None and arch not in ("MistralForCausalLM", "MixtralForCausalLM"):
-            raise ValueError(
-                f"sliding_window is only supported for MistralForCausalLM and MixtralForCausalLM, not {arch}"
-            )
+        if self.sliding_window is not None and arch not in WINDOWED_ARCHITECTURES:
+            raise ValueError(f"sliding_window is only supported for {', '.join(WINDOWED_ARCHITECTURES)}, not {arch}")
 
     def _check_moe(self) -> None:
         """Expert fields only where the architecture has experts, and in range."""
@@ -351,7 +357,7 @@ class ModelConfig:
         attn_bias = bool(d.get("attention_bias", False))
         if arch in ("Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration"):
             qkv_bias, out_bias = True, False
-        elif arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        elif arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
             qkv_bias = out_bias = False
         else:
             qkv_bias = out_bias = attn_bias
@@ -418,7 +424,7 @@ class ModelConfig:
         if self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             d["use_sliding_window"] = False
             d["sliding_window"] = None
-        if self.architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
+        if self.architecture in WINDOWED_ARCHITECTURES:
             d["sliding_window"] = self.sliding_window
         if self.architecture == "Qwen3MoeForCausalLM":
             d.update(
@@ -499,6 +505,8 @@ HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
                   "norm_topk_prob": False, "decoder_sparse_step": 1, "router_aux_loss_coef": 0.001, "rope_theta": 1e4},
     "olmo2": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "attention_bias": False,
               "rope_theta": 1e4},
+    "phi3": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "sliding_window": None,
+             "rope_theta": 1e4},
 }  # fmt: skip
 """What transformers' config classes give the config.json keys areno reads when a file leaves them out
 (their ``__init__`` defaults, ``rope_theta`` their ``default_theta``; checked against transformers in the
@@ -533,9 +541,9 @@ def _sliding_window(arch: str, d: dict[str, Any]) -> int | None:
         unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
         if unknown:
             raise ValueError(f"config.json layer_types {unknown} are not supported (full_attention, sliding_attention)")
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+    if arch in WINDOWED_ARCHITECTURES:
         window = d.get("sliding_window")
-        if arch == "MixtralForCausalLM" or types is None:  # transformers reads layer_types for Mistral only
+        if arch != "MistralForCausalLM" or types is None:  # transformers reads layer_types for Mistral only
             return window
     elif arch in ("LlamaForCausalLM", "Olmo2ForCausalLM"):  # transformers gives them no window
         return None

@@ -356,7 +356,7 @@ class DecoderModel(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral / OLMo 2 decoder over packed 1-D token streams.
+    """Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral / OLMo 2 / Phi-3 decoder over packed 1-D token streams.
 
     Tensor parallelism without torch.distributed in the model: with ``tp_size > 1`` this module
     holds one rank's shards as laid out by ``tp_plan`` (1/tp of the heads, the MLP columns and,

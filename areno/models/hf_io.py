@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from torch.overrides import TorchFunctionMode
 
 from areno.errors import ConfigError, ModelDirError, is_of_type, wrong_type
-from areno.models import moe
+from areno.models import moe, packed_projections
 from areno.models.config import SEQUENCE_CLASSIFIER_SUFFIX, SUPPORTED_ARCHITECTURES, ModelConfig
 from areno.models.decoder import Decoder
 from areno.models.tp_plan import TPReduce, shard_dim, tp_plan, tp_style
@@ -42,6 +42,7 @@ _TINY_ARCHS = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 
@@ -249,6 +250,7 @@ def load_model(
     expected = model.state_dict()
     plan = tp_plan(config)
     experts = moe.disk_to_memory(config)  # per-expert names on disk -> slices of fused tensors
+    packed = packed_projections.packed_names(config)  # Phi-3's qkv_proj / gate_up_proj -> their parts
     seen: set[str] = set()
     stored_head = None
     classifier = is_sequence_classifier(model_dir)
@@ -267,6 +269,12 @@ def load_model(
                     continue
                 if name in experts:
                     _load_expert_part(f, path, name, experts[name], expected)
+                    seen.add(name)
+                    continue
+                if name in packed:
+                    for part, tensor in _split_packed(path, name, f.get_tensor(name), packed[name]):
+                        _copy_full_or_shard(part, tensor, expected[part], plan, tp_rank, tp_size, path)
+                        seen.add(part)
                     seen.add(name)
                     continue
                 if name not in expected:
@@ -306,6 +314,9 @@ def load_model(
     parts: dict[str, list[str]] = {}
     for disk, (mem, _, _) in experts.items():
         parts.setdefault(mem, []).append(disk)
+    for disk, members in packed.items():  # a packed tensor's parts are missing under its own name
+        for mem, _ in members:
+            parts[mem] = [disk]
     missing = [p for n in expected if n not in seen for p in parts.get(n, [n]) if p not in seen]
     if missing:
         raise ModelDirError(
@@ -313,6 +324,40 @@ def load_model(
         )
     model.eval()
     return model, config
+
+
+def _split_packed(path: Path, name: str, tensor: torch.Tensor, parts: list[tuple[str, int]]):
+    """``packed_projections.split_packed`` with a row count that does not add up named with its file."""
+    try:
+        return packed_projections.split_packed(parts, tensor)
+    except ValueError as e:
+        raise ModelDirError(f"tensor {name!r} in {path}: {e}") from None
+
+
+def _copy_full_or_shard(
+    name: str,
+    tensor: torch.Tensor,
+    target: torch.Tensor,
+    plan: dict[str, str],
+    tp_rank: int,
+    tp_size: int,
+    path: Path,
+) -> None:
+    """Copy a full tensor read under ``name`` into ``target``, or this rank's slice of it by the TP plan."""
+    want = list(target.shape)
+    dim = shard_dim(tp_style(plan, name)) if tp_size > 1 else None
+    if dim is not None and dim < len(want):
+        want[dim] *= tp_size
+    if tuple(tensor.shape) != tuple(want):
+        raise ModelDirError(
+            f"tensor {name!r} (a part of a packed tensor) in {path} has shape {tuple(tensor.shape)}, "
+            f"config.json implies {tuple(want)}"
+        )
+    if dim is not None and dim < len(want):
+        n = target.shape[dim]
+        tensor = tensor.narrow(dim, tp_rank * n, n)
+    with torch.no_grad():
+        target.copy_(tensor)
 
 
 def _load_expert_part(
@@ -343,7 +388,7 @@ def save_state(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
-    state = moe.to_disk_state(config, state)
+    state = packed_projections.to_disk_state(config, moe.to_disk_state(config, state))
     dtype = next(iter(state.values())).dtype
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     hf = config.to_hf()
@@ -426,7 +471,7 @@ def tiny_config(
 ) -> ModelConfig:
     """A small ``ModelConfig`` of the given family for tests and demos.
 
-    ``arch``: llama, qwen2, qwen3, mistral, olmo2, qwen3_moe or mixtral (4 experts, top-2, each half the
+    ``arch``: llama, qwen2, qwen3, mistral, olmo2, phi3, qwen3_moe or mixtral (4 experts, top-2, each half the
     dense MLP's width). ``kw`` overrides any other ModelConfig field
     (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``). Token ids default to the char
     tokenizer's (pad 0, bos 1, eos 2).

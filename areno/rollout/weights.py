@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from areno.models import moe
+from areno.models import moe, packed_projections
 from areno.models.hf_io import open_safetensors, safetensors_files
 from areno.rollout.control import EngineControl
 from areno.rollout.errors import WeightUpdateError
@@ -89,6 +89,7 @@ class EngineWeights:
         items = read_checkpoint(path, tied=tied, fix=fix)
         if getattr(self.model_config, "num_experts", 0):  # a checkpoint stores experts one by one
             items = moe.to_memory_items(self.model_config, items)
+        items = packed_projections.to_memory_items(self.model_config, items)  # Phi-3's qkv_proj / gate_up_proj
         self._check_complete(path, {name for name, _ in items}, tied, names, fix)
         self.update(items, version)
 

@@ -26,6 +26,8 @@ import torch
 from safetensors.torch import save_file
 
 from areno.errors import check_config
+from areno.models.config import ModelConfig
+from areno.models.packed_projections import packed_names
 from areno.train.config import UNADAPTABLE, LoraConfig
 
 ADAPTER = "default"
@@ -43,6 +45,18 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
         not unknown,
         "train.lora.target_modules",
         f"{unknown} match no linear layer of the model; choose from {sorted(names)}",
+    )
+    config = next((m.config for m in model.modules() if isinstance(getattr(m, "config", None), ModelConfig)), None)
+    layers = packed_names(config) if config is not None else {}
+    packed = sorted(
+        {part.rsplit(".", 2)[-2] for parts in layers.values() for part, _ in parts} & set(cfg.target_modules)
+    )
+    check_config(
+        not packed,
+        "train.lora.target_modules",
+        f"{packed}: {config.architecture if config else ''} checkpoints pack q/k/v and gate/up into qkv_proj and "
+        "gate_up_proj, which adapters on the separate projections do not load onto (PEFT, vLLM); target o_proj "
+        "and down_proj, or train without LoRA",
     )
     from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model

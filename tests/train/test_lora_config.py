@@ -225,3 +225,29 @@ def test_an_adapter_on_a_vision_towers_convolution_is_one_line_naming_it(tmp_pat
     message = str(err.value)
     assert message.startswith("train.lora.target_modules: ['proj'] put adapters on layers that are not linear")
     assert "visual.patch_embed.proj: Conv3d" in message and "expert" not in message and "\n" not in message
+
+
+PHI3_TINY = "model.init_tiny={arch: phi3, hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}"
+
+
+def test_adapters_on_a_packed_projection_of_phi3_are_one_line_at_start(tmp_path):
+    # Phi-3's checkpoints hold qkv_proj and gate_up_proj: a PEFT adapter on q_proj would load onto nothing
+    cfg = _config(tmp_path, PHI3_TINY, "train.steps=1", "train.lora.target_modules=[q_proj,o_proj,up_proj]")
+    with pytest.raises(
+        ConfigError,
+        match=r"^train.lora.target_modules: \['q_proj', 'up_proj'\]: Phi3ForCausalLM checkpoints pack q/k/v and "
+        r"gate/up .*target o_proj and down_proj",
+    ):
+        Trainer.init(cfg).shutdown()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_adapters_on_phi3s_unpacked_projections_train(tmp_path):
+    cfg = _config(tmp_path, PHI3_TINY, "train.steps=1", "train.lora.target_modules=[o_proj,down_proj]")
+    trainer = Trainer.init(cfg)
+    try:
+        trainer.run()
+        policy = trainer.backend.engine.training.runner.backends["policy"]
+        assert sorted(lora_layers(policy.model)) == ["model.layers.0.mlp.down_proj", "model.layers.0.self_attn.o_proj"]
+    finally:
+        trainer.shutdown()
