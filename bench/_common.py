@@ -70,6 +70,28 @@ OLMO2_1B = {
     "torch_dtype": "bfloat16",
 }
 
+# Phi-3-mini-4k's shape (packed q/k/v and gate/up on disk, a 2,047-token window in every layer)
+PHI3_MINI = {
+    "architectures": ["Phi3ForCausalLM"],
+    "model_type": "phi3",
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32064,
+    "max_position_embeddings": 4096,
+    "sliding_window": 2047,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "bos_token_id": 1,
+    "eos_token_id": 32000,
+    "pad_token_id": 32000,
+    "torch_dtype": "bfloat16",
+}
+
 COMMIT_ENV = "ARENO_COMMIT"
 """Overrides the commit read from git: a run from an exported tree (``git archive``, no ``.git``)
 sets it to the commit it exported."""

@@ -57,11 +57,12 @@ import time
 
 import torch
 
+from areno.models import packed_projections
 from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.types import SamplingParams
-from bench._common import OLMO2_1B, QWEN25_05B, QWEN25_15B, emit, headline, parser, profile_cuda
+from bench._common import OLMO2_1B, PHI3_MINI, QWEN25_05B, QWEN25_15B, emit, headline, parser, profile_cuda
 
 # Qwen2.5-0.5B's config.json (shape only; weights are random).
 # ~20M parameters: 8 layers of width 256 and a 32k vocabulary (untied).
@@ -97,6 +98,7 @@ SHAPES = {
     "qwen0.5b": (QWEN25_05B, 64, 512),
     "qwen1.5b": (QWEN25_15B, 64, 512),
     "olmo2-1b": (OLMO2_1B, 64, 512),
+    "phi3-mini": (PHI3_MINI, 64, 512),
     "tiny": (TINY, 4, 8),
 }
 
@@ -112,7 +114,8 @@ def build_models(hf_dict: dict, device: str, dtype: torch.dtype, with_hf: bool):
         hf_cfg = transformers.AutoConfig.for_model(**{k: v for k, v in hf_dict.items() if k != "architectures"})
         hf_cfg.pad_token_id = 0
         hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).to(device).eval()
-        missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
+        # the checkpoint's names: Phi-3's q/k/v and gate/up packed as transformers holds them
+        missing, unexpected = hf.load_state_dict(packed_projections.to_disk_state(cfg, ours.state_dict()), strict=False)
         assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
         hf.tie_weights()
     return ours, cfg, hf
