@@ -15,6 +15,8 @@ Supported architectures (``architectures[0]`` in ``config.json``) and what sets 
 - ``Phi3ForCausalLM``    Llama's layers with no bias and an optional sliding window in every layer; its
   checkpoints store q/k/v and gate/up packed (``packed_projections``). LongRoPE and partial rotary
   embeddings (Phi-3-128k, Phi-3.5, Phi-4-mini) are refused; Phi-3-4k, Phi-3-medium and Phi-4 load.
+- ``SmolLM3ForCausalLM`` Llama's layers with no RoPE in every ``no_rope_layer_interval``-th layer
+  (``nope_layers``, from config.json's ``no_rope_layers``).
 - ``Olmo2ForCausalLM``   RMSNorm over the whole q and k projections (``qk_norm_scope="projection"``) and
   each block's norm on its output, before the residual add (``norm_layout="post"``); optional q/k/v/o bias.
 
@@ -41,6 +43,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Olmo2ForCausalLM": "olmo2",
     "Phi3ForCausalLM": "phi3",
+    "SmolLM3ForCausalLM": "smollm3",
 }
 SEQUENCE_CLASSIFIER_SUFFIX = "ForSequenceClassification"
 """transformers' scalar-head layout (``score.weight`` [num_labels, hidden] on the decoder, no LM
@@ -107,6 +110,8 @@ class ModelConfig:
     """``pre``: each block reads a normed input (``input_layernorm``, ``post_attention_layernorm``: Llama);
     ``post``: each block's output is normed before its residual add (``post_attention_layernorm``,
     ``post_feedforward_layernorm``; the weight applied in float32: OLMo 2)."""
+    nope_layers: tuple[int, ...] = ()
+    """Layers that apply no RoPE to q and k (SmolLM3's ``no_rope_layers`` entries of 0)."""
     sliding_window: int | None = None
     """Mistral sliding attention window (a query sees the last ``sliding_window`` keys), or None."""
     initializer_range: float = 0.02
@@ -225,7 +230,8 @@ class ModelConfig:
                 "Qwen2ForCausalLM has q/k/v bias and no o_proj bias: set attention_bias=True, attention_out_bias=False"
             )
         if (
-            arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM")
+            arch
+            in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM", "SmolLM3ForCausalLM")
             and self.attention_bias != self.attention_out_bias
         ):
             raise ValueError(f"{arch} biases q/k/v/o together: attention_bias must equal attention_out_bias")
@@ -233,8 +239,17 @@ class ModelConfig:
             self.attention_bias or self.attention_out_bias
         ):
             raise ValueError(f"{arch} has no attention bias")
-        if self.mlp_bias and arch != "LlamaForCausalLM":
-            raise ValueError(f"mlp_bias=True is only expressible for LlamaForCausalLM, not {arch}")
+        if self.mlp_bias and arch not in ("LlamaForCausalLM", "SmolLM3ForCausalLM"):
+            raise ValueError(
+                f"mlp_bias=True is only expressible for LlamaForCausalLM and SmolLM3ForCausalLM, not {arch}"
+            )
+        object.__setattr__(self, "nope_layers", tuple(sorted({int(i) for i in self.nope_layers})))
+        if self.nope_layers and arch != "SmolLM3ForCausalLM":
+            raise ValueError(
+                f"nope_layers (layers without RoPE) are only expressible for SmolLM3ForCausalLM, not {arch}"
+            )
+        if any(not 0 <= i < self.num_hidden_layers for i in self.nope_layers):
+            raise ValueError(f"nope_layers {list(self.nope_layers)} must be layer indices < {self.num_hidden_layers}")
         if self.sliding_window is not None and arch not in WINDOWED_ARCHITECTURES:
             raise ValueError(f"sliding_window is only supported for {', '.join(WINDOWED_ARCHITECTURES)}, not {arch}")
 
@@ -377,7 +392,8 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             attention_out_bias=out_bias,
-            mlp_bias=bool(d.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False,
+            mlp_bias=bool(d.get("mlp_bias", False)) if arch in ("LlamaForCausalLM", "SmolLM3ForCausalLM") else False,
+            nope_layers=_nope_layers(arch, d),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM"),
             qk_norm_scope="projection" if arch == "Olmo2ForCausalLM" else "head",
             norm_layout="post" if arch == "Olmo2ForCausalLM" else "pre",
@@ -417,10 +433,20 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         }
-        if self.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM"):
+        if self.architecture in (
+            "LlamaForCausalLM",
+            "Qwen3ForCausalLM",
+            "Qwen3MoeForCausalLM",
+            "Olmo2ForCausalLM",
+            "SmolLM3ForCausalLM",
+        ):
             d["attention_bias"] = self.attention_bias
-        if self.architecture == "LlamaForCausalLM":
+        if self.architecture in ("LlamaForCausalLM", "SmolLM3ForCausalLM"):
             d["mlp_bias"] = self.mlp_bias
+        if self.architecture == "SmolLM3ForCausalLM":
+            d["no_rope_layers"] = [int(i not in self.nope_layers) for i in range(self.num_hidden_layers)]
+            d["use_sliding_window"] = False
+            d["sliding_window"] = None
         if self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             d["use_sliding_window"] = False
             d["sliding_window"] = None
@@ -507,6 +533,9 @@ HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
               "rope_theta": 1e4},
     "phi3": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "sliding_window": None,
              "rope_theta": 1e4},
+    "smollm3": {**_COMMON, "tie_word_embeddings": True, "max_position_embeddings": 32768, "attention_bias": False,
+                "mlp_bias": False, "use_sliding_window": False, "sliding_window": None, "no_rope_layer_interval": 4,
+                "rope_theta": 2e6},
 }  # fmt: skip
 """What transformers' config classes give the config.json keys areno reads when a file leaves them out
 (their ``__init__`` defaults, ``rope_theta`` their ``default_theta``; checked against transformers in the
@@ -571,6 +600,21 @@ def _sliding_window(arch: str, d: dict[str, Any]) -> int | None:
         f"{arch} with sliding-window attention on layers {layers} only (of {n}) is not supported: areno applies "
         "one attention to every layer"
     )
+
+
+def _nope_layers(arch: str, d: dict[str, Any]) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: the 0 entries of ``no_rope_layers``, or (left out) every
+    ``no_rope_layer_interval``-th layer, as transformers fills it in."""
+    if arch != "SmolLM3ForCausalLM":
+        return ()
+    n = d["num_hidden_layers"]
+    flags = d.get("no_rope_layers")
+    if flags is None:
+        interval = d.get("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(n)]
+    if not isinstance(flags, list) or len(flags) != n:
+        raise ValueError(f"config.json no_rope_layers must be a list of num_hidden_layers={n} entries, got {flags!r}")
+    return tuple(i for i, use_rope in enumerate(flags) if not use_rope)
 
 
 def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

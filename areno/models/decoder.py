@@ -211,6 +211,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, self.num_kv_heads * dh, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * dh, d, bias=config.attention_out_bias)
         # Qwen3 normalises each head (weights [Dh]); OLMo 2 the whole projection, before the head split
+        self.use_rope = layer_idx not in config.nope_layers  # SmolLM3 leaves every fourth layer unrotated
         self.qk_norm_heads = config.qk_norm and config.qk_norm_scope == "head"
         if config.qk_norm:
             per_head = config.qk_norm_scope == "head"
@@ -240,7 +241,9 @@ class Attention(nn.Module):
         q_THD = q_TN.view(T, -1, self.head_dim)
         k_THD = k_TN.view(T, -1, self.head_dim)
         v_THD = v_TN.view(T, -1, self.head_dim)
-        if qkv_TN is not None and not hasattr(self, "q_norm"):
+        if not self.use_rope:  # a NoPE layer (SmolLM3) attends with q and k as projected
+            pass
+        elif qkv_TN is not None and not hasattr(self, "q_norm"):
             hq, hk = q_THD.shape[1], k_THD.shape[1]
             # the rollout engine's backend rotates q and k and writes K/V to its pools in one kernel
             rotary = getattr(attn, "attend_rotary", None)
@@ -356,7 +359,7 @@ class DecoderModel(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral / OLMo 2 / Phi-3 decoder over packed 1-D token streams.
+    """Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral / OLMo 2 / Phi-3 / SmolLM3 decoder over packed 1-D token streams.
 
     Tensor parallelism without torch.distributed in the model: with ``tp_size > 1`` this module
     holds one rank's shards as laid out by ``tp_plan`` (1/tp of the heads, the MLP columns and,

@@ -43,6 +43,7 @@ _TINY_ARCHS = {
     "mixtral": "MixtralForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 
 
@@ -471,7 +472,8 @@ def tiny_config(
 ) -> ModelConfig:
     """A small ``ModelConfig`` of the given family for tests and demos.
 
-    ``arch``: llama, qwen2, qwen3, mistral, olmo2, phi3, qwen3_moe or mixtral (4 experts, top-2, each half the
+    ``arch``: llama, qwen2, qwen3, mistral, olmo2, phi3, smollm3 (no RoPE in layers 3, 7, ...), qwen3_moe or
+    mixtral (4 experts, top-2, each half the
     dense MLP's width). ``kw`` overrides any other ModelConfig field
     (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``). Token ids default to the char
     tokenizer's (pad 0, bos 1, eos 2).
@@ -503,6 +505,8 @@ def tiny_config(
         bos_token_id=1,
         eos_token_id=2,
     )
+    if arch == "smollm3":
+        fields["nope_layers"] = tuple(i for i in range(layers) if (i + 1) % 4 == 0)
     if arch in ("qwen3_moe", "mixtral"):
         fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size)
         fields["norm_topk_prob"] = arch == "mixtral"

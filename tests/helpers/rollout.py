@@ -18,6 +18,8 @@ EOS = 2
 
 
 def make_model(seed: int = 0, **kw) -> tuple[Decoder, object]:
+    if kw.get("arch") == "smollm3":
+        kw.setdefault("nope_layers", (1,))  # of the two layers: one rotated, one not
     cfg = tiny_config(VOCAB, hidden_size=32, layers=2, heads=4, kv_heads=2, max_position_embeddings=256, **kw)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -55,11 +57,14 @@ def naive_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[floa
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=10, ignore_eos=True, seed=11)
-ARCHS = ["qwen2", "llama", "olmo2"]  # q/k/v bias, no bias, q/k norms and post-block norms
+ARCHS = ["qwen2", "llama", "olmo2", "smollm3"]  # q/k/v bias, no bias, q/k norms and post-block norms, a NoPE layer
 
 
 def model_of(arch: str, seed: int = 0) -> tuple[Decoder, object]:
-    cfg = tiny_config(VOCAB, arch=arch, hidden_size=32, layers=2, heads=4, kv_heads=2, max_position_embeddings=256)
+    kw = {"nope_layers": (1,)} if arch == "smollm3" else {}  # one rotated layer, one not
+    cfg = tiny_config(
+        VOCAB, arch=arch, hidden_size=32, layers=2, heads=4, kv_heads=2, max_position_embeddings=256, **kw
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Decoder(cfg)

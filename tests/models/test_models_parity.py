@@ -51,6 +51,8 @@ CASES = {
     ),
     "phi3": dict(arch="phi3"),
     "phi3_window": dict(arch="phi3", sliding_window=6),
+    "smollm3": dict(arch="smollm3", layers=4, tie_word_embeddings=True),  # layer 3 without RoPE
+    "smollm3_bias": dict(arch="smollm3", nope_layers=(0,), attention_bias=True, attention_out_bias=True, mlp_bias=True),
     "olmo2": dict(arch="olmo2"),
     "olmo2_tied_bias": dict(arch="olmo2", tie_word_embeddings=True, attention_bias=True, attention_out_bias=True),
 }

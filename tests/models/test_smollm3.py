@@ -1,0 +1,106 @@
+"""SmolLM3 (``SmolLM3ForCausalLM``): Llama's layers, RoPE left out in every fourth. A checkpoint
+transformers saved loads and computes its log-probs (the NoPE layers read from ``no_rope_layers``, or
+from ``no_rope_layer_interval`` where the file leaves the list out), exports back, and trains under GRPO."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, SmolLM3Config
+
+from areno.api.config import load_config
+from areno.api.trainer import Trainer
+from areno.models import ModelConfig, load_model, save_model
+from areno.models.logprobs import packed_logprobs
+from tests.helpers.configs import tiny_grpo_overrides
+
+VOCAB = 61
+LENS = [9, 14, 5]
+
+
+def _saved_by_transformers(tmp_path, **kw):
+    torch.manual_seed(0)
+    hf = SmolLM3Config(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=1,
+        **kw,
+    )
+    AutoModelForCausalLM.from_config(hf, attn_implementation="eager").save_pretrained(tmp_path)
+    return AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize(
+    "kw, nope",
+    [({}, (3,)), ({"no_rope_layers": [0, 1, 0, 1]}, (0, 2)), ({"no_rope_layer_interval": 2}, (1, 3))],
+    ids=["default", "listed", "interval"],
+)
+def test_a_checkpoint_transformers_saved_computes_its_logprobs(kw, nope, tmp_path):
+    ref = _saved_by_transformers(tmp_path / "hf", **kw)
+    if "no_rope_layer_interval" in kw:  # the file as one written without the list
+        d = json.loads((tmp_path / "hf" / "config.json").read_text())
+        del d["no_rope_layers"]
+        (tmp_path / "hf" / "config.json").write_text(json.dumps(d))
+    model, config = load_model(tmp_path / "hf")
+    assert config.nope_layers == nope and config.tie_word_embeddings
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in LENS]
+    cu_B1 = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()])
+    with torch.no_grad():
+        ours, _ = packed_logprobs(model.eval(), torch.cat(seqs), cu_B1, chunk_size=7)
+        expected = []
+        for s in seqs:
+            lp = torch.log_softmax(ref(s[None]).logits[0, :-1].float(), -1).gather(-1, s[1:, None])[:, 0]
+            expected.append(torch.cat([lp.new_zeros(1), lp]))
+    assert (ours - torch.cat(expected)).abs().max().item() <= 1e-4
+    save_model(model, config, tmp_path / "out")
+    assert ModelConfig.from_hf(json.loads((tmp_path / "out" / "config.json").read_text())) == config
+
+
+def test_nope_layers_only_for_smollm3_and_in_range():
+    from areno.models import tiny_config
+
+    with pytest.raises(
+        ValueError, match="nope_layers .* only expressible for SmolLM3ForCausalLM, not LlamaForCausalLM"
+    ):
+        tiny_config(VOCAB, arch="llama", nope_layers=(1,))
+    with pytest.raises(ValueError, match=r"nope_layers \[5\] must be layer indices < 2"):
+        tiny_config(VOCAB, arch="smollm3", nope_layers=(5,))
+
+
+def test_grpo_on_a_tiny_smollm3_learns_the_reward(tmp_path):
+    tiny = (
+        "model.init_tiny={arch: smollm3, hidden_size: 32, layers: 2, heads: 2, kv_heads: 1, intermediate_size: 64,"
+        " nope_layers: [1]}"
+    )
+    cfg = load_config(
+        None,
+        [
+            *tiny_grpo_overrides(tmp_path),
+            tiny,
+            "reward.fn=tests.helpers.rewards:sevens",
+            "reward.sandbox=false",
+            "optim.lr=0.02",
+            "train.steps=12",
+            "train.eval_interval=0",
+            "train.seed=1",
+        ],
+    )
+    trainer = Trainer.init(cfg)
+    try:
+        trainer.run()
+    finally:
+        trainer.shutdown()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r]
+    assert len(rewards) == 12
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
