@@ -210,13 +210,12 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.num_kv_heads * dh, bias=config.attention_bias)
         self.v_proj = nn.Linear(d, self.num_kv_heads * dh, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * dh, d, bias=config.attention_out_bias)
-        # Qwen3 normalises each head (weights [Dh]); OLMo 2 the whole projection, before the head split
         self.use_rope = layer_idx not in config.nope_layers  # SmolLM3 leaves every fourth layer unrotated
+        # Qwen3 normalises each head (weights [Dh]); OLMo 2 the whole projection, before the head split
         self.qk_norm_heads = config.qk_norm and config.qk_norm_scope == "head"
         if config.qk_norm:
-            per_head = config.qk_norm_scope == "head"
             fp32 = config.norm_layout == "post"  # OLMo 2's norms all scale in float32
-            q_width, k_width = (dh, dh) if per_head else (self.num_heads * dh, self.num_kv_heads * dh)
+            q_width, k_width = (dh, dh) if self.qk_norm_heads else (self.num_heads * dh, self.num_kv_heads * dh)
             self.q_norm = RMSNorm(q_width, config.rms_norm_eps, scale_in_float32=fp32)
             self.k_norm = RMSNorm(k_width, config.rms_norm_eps, scale_in_float32=fp32)
         self.qkv: fused_linear.FusedRows | None = None

@@ -274,7 +274,9 @@ def load_model(
                     continue
                 if name in packed:
                     for part, tensor in _split_packed(path, name, f.get_tensor(name), packed[name]):
-                        _copy_full_or_shard(part, tensor, expected[part], plan, tp_rank, tp_size, path)
+                        index = _rank_index(part, tuple(tensor.shape), expected[part], plan, tp_rank, tp_size, path)
+                        with torch.no_grad():
+                            expected[part].copy_(tensor if index is None else tensor[index])
                         seen.add(part)
                     seen.add(name)
                     continue
@@ -284,21 +286,8 @@ def load_model(
                         f"(the checkpoint does not match config.json)"
                     )
                 target = expected[name]
-                full_shape = tuple(f.get_slice(name).get_shape())
-                want = list(target.shape)
-                dim = shard_dim(tp_style(plan, name)) if tp_size > 1 else None
-                if dim is not None and dim < len(want):
-                    want[dim] *= tp_size
-                if full_shape != tuple(want):
-                    raise ModelDirError(
-                        f"tensor {name!r} in {path} has shape {full_shape}, config.json implies {tuple(want)}"
-                    )
-                if dim is None or dim >= len(want):
-                    tensor = f.get_tensor(name)
-                else:  # read only this rank's slice
-                    n = target.shape[dim]
-                    index = (slice(None),) * dim + (slice(tp_rank * n, (tp_rank + 1) * n),)
-                    tensor = f.get_slice(name)[index]
+                index = _rank_index(name, tuple(f.get_slice(name).get_shape()), target, plan, tp_rank, tp_size, path)
+                tensor = f.get_tensor(name) if index is None else f.get_slice(name)[index]  # only this rank's rows
                 with torch.no_grad():
                     target.copy_(tensor)
                 seen.add(name)
@@ -335,30 +324,27 @@ def _split_packed(path: Path, name: str, tensor: torch.Tensor, parts: list[tuple
         raise ModelDirError(f"tensor {name!r} in {path}: {e}") from None
 
 
-def _copy_full_or_shard(
+def _rank_index(
     name: str,
-    tensor: torch.Tensor,
+    full_shape: tuple[int, ...],
     target: torch.Tensor,
     plan: dict[str, str],
     tp_rank: int,
     tp_size: int,
     path: Path,
-) -> None:
-    """Copy a full tensor read under ``name`` into ``target``, or this rank's slice of it by the TP plan."""
+) -> tuple[slice, ...] | None:
+    """The index of this rank's part of a full tensor stored under ``name`` (None: all of it), after
+    checking its shape against what config.json implies (a one-line ``ModelDirError`` naming both)."""
     want = list(target.shape)
     dim = shard_dim(tp_style(plan, name)) if tp_size > 1 else None
     if dim is not None and dim < len(want):
         want[dim] *= tp_size
-    if tuple(tensor.shape) != tuple(want):
-        raise ModelDirError(
-            f"tensor {name!r} (a part of a packed tensor) in {path} has shape {tuple(tensor.shape)}, "
-            f"config.json implies {tuple(want)}"
-        )
-    if dim is not None and dim < len(want):
-        n = target.shape[dim]
-        tensor = tensor.narrow(dim, tp_rank * n, n)
-    with torch.no_grad():
-        target.copy_(tensor)
+    if full_shape != tuple(want):
+        raise ModelDirError(f"tensor {name!r} in {path} has shape {full_shape}, config.json implies {tuple(want)}")
+    if dim is None or dim >= len(want):
+        return None
+    n = target.shape[dim]
+    return (slice(None),) * dim + (slice(tp_rank * n, (tp_rank + 1) * n),)
 
 
 def _load_expert_part(
