@@ -112,6 +112,8 @@ CPU12M = {
 }
 # AReaL's CPU example size: about 5M parameters (run it 8 x 4, as that example does)
 CPU5M = {**CPU12M, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4}
+# the same size in OLMo 2's layout (q/k norms over the projections, post-block norms)
+CPU5M_OLMO2 = {**CPU5M, "architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "attention_bias": False}
 # shape -> (HF config dict, default prompt length, default completion length)
 SHAPES = {
     "0.5b": (E2E_05B, 64, 512),
@@ -120,6 +122,7 @@ SHAPES = {
     "tiny": (TINY, 16, 32),
     "cpu12m": (CPU12M, 32, 128),
     "cpu5m": (CPU5M, 34, 128),
+    "cpu5m-olmo2": (CPU5M_OLMO2, 34, 128),
 }
 SYSTEMS = (
     "areno",
@@ -742,7 +745,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shapes",
         default=None,
-        help="comma list of 0.5b,1.5b,olmo2-1b,tiny,cpu12m,cpu5m (default: 0.5b,1.5b on CUDA, tiny on CPU)",
+        help="comma list of 0.5b,1.5b,olmo2-1b,tiny,cpu12m,cpu5m,cpu5m-olmo2 (default: 0.5b,1.5b on CUDA, tiny on CPU)",
     )
     p.add_argument("--systems", default="areno,areno_async,trl", help=f"comma list of {','.join(SYSTEMS)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system")
