@@ -123,6 +123,25 @@ def run_to_end(cfg) -> list[dict]:
     return read_metrics(Path(cfg.run_dir))
 
 
+def grpo_rewards_on_tiny(tmp_path: Path, init_tiny: str) -> list[float]:
+    """Each step's mean reward of a 12-step seeded GRPO run on the demo's digit reward (``sevens``) with the
+    tiny model ``init_tiny`` (a ``model.init_tiny={...}`` override): what a model family's learning test reads."""
+    cfg = load_config(
+        None,
+        [
+            *tiny_grpo_overrides(tmp_path),
+            init_tiny,
+            "reward.fn=tests.helpers.rewards:sevens",
+            "reward.sandbox=false",
+            "optim.lr=0.02",
+            "train.steps=12",
+            "train.eval_interval=0",
+            "train.seed=1",
+        ],
+    )
+    return [r["rollout/reward_mean"] for r in run_to_end(cfg) if "rollout/reward_mean" in r]
+
+
 def cluster_section(**kw):
     """A stand-in ``cluster`` section for ``engine.cluster``'s layout and scheduler functions: every layout
     key at its default (no allocation_mode, devices, TP 1, the Ray scheduler), ``kw`` replacing any."""

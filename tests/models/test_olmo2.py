@@ -11,12 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Olmo2Config
 
-from areno.api.config import load_config
-from areno.api.trainer import Trainer
 from areno.models import Decoder, ModelConfig, check_tp_size, load_model, save_model, tiny_config
 from areno.models.logprobs import packed_logprobs
 from areno.models.tp_plan import tp_plan, tp_style
-from tests.helpers.configs import tiny_grpo_overrides
+from tests.helpers.configs import grpo_rewards_on_tiny
 
 VOCAB = 61
 LENS = [9, 14, 5]
@@ -147,27 +145,10 @@ def test_the_rollout_engine_decodes_what_the_model_computes(tmp_path):
 
 
 def test_grpo_on_a_tiny_olmo2_learns_the_reward(tmp_path):
-    tiny = "model.init_tiny={arch: olmo2, hidden_size: 32, layers: 2, heads: 2, kv_heads: 1, intermediate_size: 64}"
-    cfg = load_config(
-        None,
-        [
-            *tiny_grpo_overrides(tmp_path),
-            tiny,
-            "reward.fn=tests.helpers.rewards:sevens",
-            "reward.sandbox=false",
-            "optim.lr=0.02",
-            "train.steps=12",
-            "train.eval_interval=0",
-            "train.seed=1",
-        ],
+    rewards = grpo_rewards_on_tiny(
+        tmp_path,
+        "model.init_tiny={arch: olmo2, hidden_size: 32, layers: 2, heads: 2, kv_heads: 1, intermediate_size: 64}",
     )
-    trainer = Trainer.init(cfg)
-    try:
-        trainer.run()
-    finally:
-        trainer.shutdown()
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    rewards = [r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r]
     assert len(rewards) == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     exported = json.loads((tmp_path / "run" / "checkpoints" / "step_00000012" / "hf" / "config.json").read_text())

@@ -14,12 +14,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Phi3Config
 
-from areno.api.config import load_config
-from areno.api.trainer import Trainer
 from areno.errors import ModelDirError
 from areno.models import ModelConfig, load_model, save_model
 from areno.models.logprobs import packed_logprobs
-from tests.helpers.configs import tiny_grpo_overrides
+from tests.helpers.configs import grpo_rewards_on_tiny
 
 VOCAB = 61
 LENS = [9, 14, 5]
@@ -116,27 +114,10 @@ def test_longrope_partial_rotary_and_a_packed_tensor_that_does_not_split_are_ref
 
 
 def test_grpo_on_a_tiny_phi3_trains_and_exports_what_transformers_loads(tmp_path):
-    tiny = "model.init_tiny={arch: phi3, hidden_size: 32, layers: 2, heads: 2, kv_heads: 1, intermediate_size: 64}"
-    cfg = load_config(
-        None,
-        [
-            *tiny_grpo_overrides(tmp_path),
-            tiny,
-            "reward.fn=tests.helpers.rewards:sevens",
-            "reward.sandbox=false",
-            "optim.lr=0.02",
-            "train.steps=12",
-            "train.eval_interval=0",
-            "train.seed=1",
-        ],
+    rewards = grpo_rewards_on_tiny(
+        tmp_path,
+        "model.init_tiny={arch: phi3, hidden_size: 32, layers: 2, heads: 2, kv_heads: 1, intermediate_size: 64}",
     )
-    trainer = Trainer.init(cfg)
-    try:
-        trainer.run()
-    finally:
-        trainer.shutdown()
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    rewards = [r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r]
     assert len(rewards) == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     export = tmp_path / "run" / "checkpoints" / "step_00000012" / "hf"

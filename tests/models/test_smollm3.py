@@ -10,11 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, SmolLM3Config
 
-from areno.api.config import load_config
-from areno.api.trainer import Trainer
 from areno.models import ModelConfig, load_model, save_model
 from areno.models.logprobs import packed_logprobs
-from tests.helpers.configs import tiny_grpo_overrides
+from tests.helpers.configs import grpo_rewards_on_tiny
 
 VOCAB = 61
 LENS = [9, 14, 5]
@@ -78,29 +76,10 @@ def test_nope_layers_only_for_smollm3_and_in_range():
 
 
 def test_grpo_on_a_tiny_smollm3_learns_the_reward(tmp_path):
-    tiny = (
+    rewards = grpo_rewards_on_tiny(
+        tmp_path,
         "model.init_tiny={arch: smollm3, hidden_size: 32, layers: 2, heads: 2, kv_heads: 1, intermediate_size: 64,"
-        " nope_layers: [1]}"
+        " nope_layers: [1]}",
     )
-    cfg = load_config(
-        None,
-        [
-            *tiny_grpo_overrides(tmp_path),
-            tiny,
-            "reward.fn=tests.helpers.rewards:sevens",
-            "reward.sandbox=false",
-            "optim.lr=0.02",
-            "train.steps=12",
-            "train.eval_interval=0",
-            "train.seed=1",
-        ],
-    )
-    trainer = Trainer.init(cfg)
-    try:
-        trainer.run()
-    finally:
-        trainer.shutdown()
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    rewards = [r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r]
     assert len(rewards) == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
