@@ -15,50 +15,13 @@ from areno.models import Decoder, ModelConfig, check_tp_size, load_model, save_m
 from areno.models.logprobs import packed_logprobs
 from areno.models.tp_plan import tp_plan, tp_style
 from tests.helpers.configs import grpo_rewards_on_tiny
-
-VOCAB = 61
-LENS = [9, 14, 5]
+from tests.helpers.families import VOCAB, packed_batch, reference_logprobs, saved_by_transformers
 
 
-def _saved_by_transformers(tmp_path, **kw):
-    """A random Olmo2ForCausalLM saved by transformers, its norm weights spread so that a norm applied in
-    the wrong place (or the two post-block norms swapped) changes the log-probs."""
-    torch.manual_seed(0)
-    hf = Olmo2Config(
-        vocab_size=VOCAB,
-        hidden_size=48,
-        intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.2,
-        pad_token_id=0,
-        eos_token_id=2,
-        **kw,
-    )
-    ref = AutoModelForCausalLM.from_config(hf, attn_implementation="eager")
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.3, 1.7)
-    ref.save_pretrained(tmp_path)
-    return AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def _batch():
-    g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in LENS]
-    cu_B1 = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()])
-    return seqs, torch.cat(seqs), cu_B1
-
-
-def _ref_logprobs(ref, seqs) -> torch.Tensor:
-    out = []
-    for s in seqs:
-        logits = ref(s[None]).logits[0].float()
-        lp = torch.log_softmax(logits[:-1], -1).gather(-1, s[1:, None])[:, 0]
-        out.append(torch.cat([lp.new_zeros(1), lp]))
-    return torch.cat(out)
+def _saved_by_transformers(path, **kw):
+    """Its norm weights spread, so that a norm applied in the wrong place (or the two post-block norms
+    swapped) changes the log-probs."""
+    return saved_by_transformers(Olmo2Config, path, spread_norms=True, **kw)
 
 
 @pytest.mark.parametrize("kw", [{}, {"attention_bias": True, "tie_word_embeddings": True}], ids=["plain", "bias_tied"])
@@ -67,10 +30,10 @@ def test_a_checkpoint_transformers_saved_computes_its_logprobs(kw, tmp_path):
     model, config = load_model(tmp_path / "hf")
     assert (config.qk_norm, config.qk_norm_scope, config.norm_layout) == (True, "projection", "post")
     assert config.attention_bias == config.attention_out_bias == bool(kw)
-    seqs, ids_T, cu_B1 = _batch()
+    seqs, ids_T, cu_B1 = packed_batch()
     with torch.no_grad():
         ours, _ = packed_logprobs(model.eval(), ids_T, cu_B1, chunk_size=7)
-        expected = _ref_logprobs(ref, seqs)
+        expected = reference_logprobs(ref, seqs)
     assert expected.abs().max() > 1.0
     assert (ours - expected).abs().max().item() <= 1e-4
     ref_sd = {k: v for k, v in ref.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
@@ -81,17 +44,17 @@ def test_a_checkpoint_transformers_saved_computes_its_logprobs(kw, tmp_path):
     save_model(model, config, tmp_path / "out")
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
-        assert (_ref_logprobs(back.eval(), seqs) - expected).abs().max().item() <= 1e-5
+        assert (reference_logprobs(back.eval(), seqs) - expected).abs().max().item() <= 1e-5
     assert ModelConfig.from_hf(json.loads((tmp_path / "out" / "config.json").read_text())) == config
 
 
 def test_gradients_match_transformers(tmp_path):
     ref = _saved_by_transformers(tmp_path / "hf")
     model, _ = load_model(tmp_path / "hf")
-    seqs, ids_T, cu_B1 = _batch()
+    seqs, ids_T, cu_B1 = packed_batch()
     ours, _ = packed_logprobs(model, ids_T, cu_B1, chunk_size=7)
     ours.sum().backward()
-    _ref_logprobs(ref, seqs).sum().backward()
+    reference_logprobs(ref, seqs, grad=True).sum().backward()
     ref_params = dict(ref.named_parameters())
     names = [
         "model.layers.0.self_attn.q_norm.weight",

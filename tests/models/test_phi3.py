@@ -18,42 +18,19 @@ from areno.errors import ModelDirError
 from areno.models import ModelConfig, load_model, save_model
 from areno.models.logprobs import packed_logprobs
 from tests.helpers.configs import grpo_rewards_on_tiny
-
-VOCAB = 61
-LENS = [9, 14, 5]
+from tests.helpers.families import packed_batch, reference_logprobs, saved_by_transformers
 
 
-def _saved_by_transformers(tmp_path, **kw):
-    torch.manual_seed(0)
-    hf = Phi3Config(
-        vocab_size=VOCAB,
-        hidden_size=48,
-        intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.2,
-        pad_token_id=0,
-        eos_token_id=2,
-        bos_token_id=1,
-        **kw,
-    )
-    AutoModelForCausalLM.from_config(hf, attn_implementation="eager").save_pretrained(tmp_path)
-    return AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+def _saved_by_transformers(path, **kw):
+    return saved_by_transformers(Phi3Config, path, **kw)
 
 
 def _logprobs(ref, model):
-    g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in LENS]
-    cu_B1 = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()])
+    """(areno's, transformers') log-probs of the shared packed batch."""
+    seqs, ids_T, cu_B1 = packed_batch()
     with torch.no_grad():
-        ours, _ = packed_logprobs(model.eval(), torch.cat(seqs), cu_B1, chunk_size=7)
-        expected = []
-        for s in seqs:
-            logits = ref(s[None]).logits[0].float()
-            lp = torch.log_softmax(logits[:-1], -1).gather(-1, s[1:, None])[:, 0]
-            expected.append(torch.cat([lp.new_zeros(1), lp]))
-    return ours, torch.cat(expected)
+        ours, _ = packed_logprobs(model.eval(), ids_T, cu_B1, chunk_size=7)
+    return ours, reference_logprobs(ref, seqs)
 
 
 def _names(path) -> set[str]:

@@ -8,33 +8,16 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, SmolLM3Config
+from transformers import SmolLM3Config
 
 from areno.models import ModelConfig, load_model, save_model
 from areno.models.logprobs import packed_logprobs
 from tests.helpers.configs import grpo_rewards_on_tiny
-
-VOCAB = 61
-LENS = [9, 14, 5]
+from tests.helpers.families import VOCAB, packed_batch, reference_logprobs, saved_by_transformers
 
 
-def _saved_by_transformers(tmp_path, **kw):
-    torch.manual_seed(0)
-    hf = SmolLM3Config(
-        vocab_size=VOCAB,
-        hidden_size=48,
-        intermediate_size=80,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.2,
-        pad_token_id=0,
-        eos_token_id=2,
-        bos_token_id=1,
-        **kw,
-    )
-    AutoModelForCausalLM.from_config(hf, attn_implementation="eager").save_pretrained(tmp_path)
-    return AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+def _saved_by_transformers(path, **kw):
+    return saved_by_transformers(SmolLM3Config, path, num_hidden_layers=4, **kw)
 
 
 @pytest.mark.parametrize(
@@ -50,16 +33,11 @@ def test_a_checkpoint_transformers_saved_computes_its_logprobs(kw, nope, tmp_pat
         (tmp_path / "hf" / "config.json").write_text(json.dumps(d))
     model, config = load_model(tmp_path / "hf")
     assert config.nope_layers == nope and config.tie_word_embeddings
-    g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in LENS]
-    cu_B1 = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()])
+    seqs, ids_T, cu_B1 = packed_batch()
     with torch.no_grad():
-        ours, _ = packed_logprobs(model.eval(), torch.cat(seqs), cu_B1, chunk_size=7)
-        expected = []
-        for s in seqs:
-            lp = torch.log_softmax(ref(s[None]).logits[0, :-1].float(), -1).gather(-1, s[1:, None])[:, 0]
-            expected.append(torch.cat([lp.new_zeros(1), lp]))
-    assert (ours - torch.cat(expected)).abs().max().item() <= 1e-4
+        ours, _ = packed_logprobs(model.eval(), ids_T, cu_B1, chunk_size=7)
+    expected = reference_logprobs(ref, seqs)
+    assert (ours - expected).abs().max().item() <= 1e-4
     save_model(model, config, tmp_path / "out")
     assert ModelConfig.from_hf(json.loads((tmp_path / "out" / "config.json").read_text())) == config
 
