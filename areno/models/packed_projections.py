@@ -3,8 +3,9 @@ another (Phi-3: ``self_attn.qkv_proj``, ``mlp.gate_up_proj``), against the ``Dec
 ``q_proj`` / ``k_proj`` / ``v_proj`` / ``gate_proj`` / ``up_proj``.
 
 Only files use the packed names: ``hf_io.save_state`` writes them (what transformers loads) and
-``hf_io.load_model`` and the engine's disk reload split them. In memory, in policy syncs and in
-LoRA the tensors stay separate; vLLM and SGLang load the separate names into their packed layers
+``hf_io.load_model`` and the engine's disk reload split them; a LoRA adapter's export packs the
+adapters of the parts into one of the packed layer (``pack_adapter``). In memory, in policy syncs and
+in training the tensors stay separate; vLLM and SGLang load the separate names into their packed layers
 themselves, as they do for Llama.
 """
 
@@ -75,3 +76,47 @@ def to_memory_items(config: ModelConfig, items: list[tuple[str, torch.Tensor]]) 
     for name, t in items:
         out.extend(split_packed(packed[name], t) if name in packed else [(name, t)])
     return out
+
+
+def pack_adapter(
+    config: ModelConfig, weights: dict[str, torch.Tensor], rank: int, alpha: float
+) -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, float]]:
+    """PEFT adapters (``base_model.model.<module>.lora_A.weight`` [r, D], ``lora_B.weight`` [N, r]) of the
+    parts of a packed layer as one adapter of the packed layer, which is what a checkpoint's model has:
+    A the parts' A stacked [k r, D], B block-diagonal [sum N, k r] (zero rows for an unadapted part), so
+    B A is each part's own product in its rows. Its rank is k r, so its alpha is k x ``alpha`` (PEFT
+    scales by alpha / rank). Returns the weights and the ``rank_pattern`` / ``alpha_pattern`` entries."""
+    packed = packed_names(config)
+    if not packed:
+        return weights, {}, {}
+    prefix, out = "base_model.model.", dict(weights)
+    ranks: dict[str, int] = {}
+    for disk, parts in packed.items():
+        modules = [part.removesuffix(".weight") for part, _ in parts]
+        adapted = [i for i, m in enumerate(modules) if f"{prefix}{m}.lora_A.weight" in weights]
+        if not adapted:
+            continue
+        a = [out.pop(f"{prefix}{modules[i]}.lora_A.weight") for i in adapted]
+        b = {i: out.pop(f"{prefix}{modules[i]}.lora_B.weight") for i in adapted}
+        rows = [n for _, n in parts]
+        block = torch.zeros(sum(rows), len(adapted) * rank, dtype=a[0].dtype)
+        for j, i in enumerate(adapted):
+            start = sum(rows[:i])
+            block[start : start + rows[i], j * rank : (j + 1) * rank] = b[i]
+        layer = disk.removesuffix(".weight")
+        out[f"{prefix}{layer}.lora_A.weight"] = torch.cat(a)
+        out[f"{prefix}{layer}.lora_B.weight"] = block
+        ranks[layer.rsplit(".", 1)[-1]] = len(adapted) * rank
+    return out, ranks, {name: alpha * r / rank for name, r in ranks.items()}
+
+
+def packed_target_modules(config: ModelConfig, target_modules: tuple[str, ...]) -> list[str]:
+    """``target_modules`` with the names of packed parts replaced by their packed layer's (``q_proj`` ->
+    ``qkv_proj``), in order, each once: what PEFT finds in a checkpoint's model."""
+    packed = packed_names(config)
+    by_part = {
+        part.removesuffix(".weight").rsplit(".", 1)[-1]: disk.removesuffix(".weight").rsplit(".", 1)[-1]
+        for disk, parts in packed.items()
+        for part, _ in parts
+    }
+    return list(dict.fromkeys(by_part.get(name, name) for name in target_modules))

@@ -41,6 +41,7 @@ from areno.train.lora import (
     apply_lora,
     head_named_weights,
     merged_named_weights,
+    model_config_of,
     save_adapter,
 )
 from areno.train.offload import StorageOffloader, available_host_bytes, training_state_tensors
@@ -760,7 +761,7 @@ class PackedTrainBackend(TrainBackend):
             name: t.cpu() for name, t in head_named_weights(self.model, self._full, decoder_prefix=self._decoder_prefix)
         }
         if self.is_rank0:
-            save_adapter(path, state, self.cfg.lora, self._model_dir, head)
+            save_adapter(path, state, self.cfg.lora, self._model_dir, head, model_config_of(self.model))
         self._barrier()
 
     def export_hf(self, path: str | Path) -> None:

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from areno.errors import check_config
 from areno.models.config import ModelConfig
-from areno.models.packed_projections import packed_names
+from areno.models.packed_projections import pack_adapter, packed_target_modules
 from areno.train.config import UNADAPTABLE, LoraConfig
 
 ADAPTER = "default"
@@ -45,18 +45,6 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
         not unknown,
         "train.lora.target_modules",
         f"{unknown} match no linear layer of the model; choose from {sorted(names)}",
-    )
-    config = next((m.config for m in model.modules() if isinstance(getattr(m, "config", None), ModelConfig)), None)
-    layers = packed_names(config) if config is not None else {}
-    packed = sorted(
-        {part.rsplit(".", 2)[-2] for parts in layers.values() for part, _ in parts} & set(cfg.target_modules)
-    )
-    check_config(
-        not packed,
-        "train.lora.target_modules",
-        f"{packed}: {config.architecture if config else ''} checkpoints pack q/k/v and gate/up into qkv_proj and "
-        "gate_up_proj, which adapters on the separate projections do not load onto (PEFT, vLLM); target o_proj "
-        "and down_proj, or train without LoRA",
     )
     from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model
@@ -176,13 +164,20 @@ def save_adapter(
     cfg: LoraConfig,
     base_model: str | Path,
     head: dict[str, torch.Tensor] | None = None,
+    model_config: ModelConfig | None = None,
 ) -> Path:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT's layout) under ``path``,
-    and a wrapped role's ``head`` (``head_named_weights``) as ``HEAD_FILE`` beside them."""
+    and a wrapped role's ``head`` (``head_named_weights``) as ``HEAD_FILE`` beside them. With a
+    ``model_config`` whose checkpoints pack projections (Phi-3), the parts' adapters are written as
+    adapters of the packed layers (``packed_projections.pack_adapter``)."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     from peft import LoraConfig as PeftLoraConfig
 
+    targets, ranks, alphas = list(cfg.target_modules), {}, {}
+    if model_config is not None:
+        weights, ranks, alphas = pack_adapter(model_config, weights, cfg.rank, cfg.alpha)
+        targets = packed_target_modules(model_config, cfg.target_modules)
     save_file({k: v.contiguous().cpu() for k, v in weights.items()}, str(out / "adapter_model.safetensors"))
     if head:  # kept out of the adapter file, which PEFT reads as adapter tensors only
         save_file({k: v.contiguous().cpu() for k, v in head.items()}, str(out / HEAD_FILE))
@@ -190,9 +185,16 @@ def save_adapter(
         r=cfg.rank,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
-        target_modules=list(cfg.target_modules),
+        target_modules=targets,
+        rank_pattern=ranks,
+        alpha_pattern=alphas,
         task_type="CAUSAL_LM",
         base_model_name_or_path=str(base_model),
     )
     peft_cfg.save_pretrained(str(out))
     return out
+
+
+def model_config_of(model: torch.nn.Module) -> ModelConfig | None:
+    """The ``ModelConfig`` of the decoder inside ``model`` (itself, or wrapped), or None."""
+    return next((m.config for m in model.modules() if isinstance(getattr(m, "config", None), ModelConfig)), None)

@@ -11,7 +11,7 @@ from areno.api.trainer import Trainer
 from areno.engine.config import build_train_backend_config
 from areno.errors import ConfigError
 from areno.train.lora import lora_layers
-from tests.helpers.configs import tiny_grpo_overrides
+from tests.helpers.configs import run_to_end, tiny_grpo_overrides
 
 
 def _config(tmp_path, *extra):
@@ -230,24 +230,32 @@ def test_an_adapter_on_a_vision_towers_convolution_is_one_line_naming_it(tmp_pat
 PHI3_TINY = "model.init_tiny={arch: phi3, hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}"
 
 
-def test_adapters_on_a_packed_projection_of_phi3_are_one_line_at_start(tmp_path):
-    # Phi-3's checkpoints hold qkv_proj and gate_up_proj: a PEFT adapter on q_proj would load onto nothing
-    cfg = _config(tmp_path, PHI3_TINY, "train.steps=1", "train.lora.target_modules=[q_proj,o_proj,up_proj]")
-    with pytest.raises(
-        ConfigError,
-        match=r"^train.lora.target_modules: \['q_proj', 'up_proj'\]: Phi3ForCausalLM checkpoints pack q/k/v and "
-        r"gate/up .*target o_proj and down_proj",
-    ):
-        Trainer.init(cfg).shutdown()
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+def test_phi3s_adapters_export_onto_its_packed_layers_for_peft(tmp_path):
+    # Phi-3's checkpoints hold qkv_proj and gate_up_proj: the q/v and up adapters are written as adapters of
+    # those (stacked A, block-diagonal B), which PEFT loads onto transformers' model of the base checkpoint
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
 
-
-def test_adapters_on_phi3s_unpacked_projections_train(tmp_path):
-    cfg = _config(tmp_path, PHI3_TINY, "train.steps=1", "train.lora.target_modules=[o_proj,down_proj]")
-    trainer = Trainer.init(cfg)
-    try:
-        trainer.run()
-        policy = trainer.backend.engine.training.runner.backends["policy"]
-        assert sorted(lora_layers(policy.model)) == ["model.layers.0.mlp.down_proj", "model.layers.0.self_attn.o_proj"]
-    finally:
-        trainer.shutdown()
+    cfg = _config(
+        tmp_path,
+        PHI3_TINY,
+        "train.steps=1",
+        "optim.lr=0.02",
+        "train.lora.rank=4",
+        "train.lora.alpha=8",
+        "train.lora.target_modules=[q_proj,v_proj,o_proj,up_proj]",
+    )
+    run_to_end(cfg)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000001"
+    adapter_dir = ckpt / "policy" / "adapter"
+    adapter = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert sorted(adapter["target_modules"]) == ["gate_up_proj", "o_proj", "qkv_proj"]
+    assert adapter["rank_pattern"] == {"qkv_proj": 8, "gate_up_proj": 4}
+    assert adapter["alpha_pattern"] == {"qkv_proj": 16, "gate_up_proj": 8}
+    exported = AutoModelForCausalLM.from_pretrained(ckpt / "hf")
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "model"), adapter_dir)
+    ids = torch.tensor([[3, 5, 7, 9, 11, 2]])
+    with torch.no_grad():
+        want, got = exported(ids).logits, with_adapter(ids).logits
+    assert not torch.equal(want, AutoModelForCausalLM.from_pretrained(tmp_path / "model")(ids).logits)  # it trained
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
