@@ -229,3 +229,16 @@ def test_trainer_run_with_tp_allocation_mode_evaluates_and_checkpoints(tmp_path)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any("train/policy/loss" in r for r in rows) and any("eval/accuracy" in r for r in rows)
     assert (run_dir / "checkpoints" / "step_00000002" / "COMPLETE").exists()
+
+
+def test_tp_of_a_model_whose_qk_norms_read_every_head_fails_before_any_worker_starts(tmp_path):
+    # OLMo 2 norms q and k over all heads together: a TP rank holding half of them would norm another vector
+    olmo2 = "model.init_tiny={arch: olmo2, hidden_size: 32, layers: 1, heads: 2, kv_heads: 2, intermediate_size: 64}"
+    cfg = load_config(None, [*tiny_run_overrides(tmp_path), *ALLOCATION, olmo2])
+    prepare_model_dir(cfg)
+    engine = partitioned_engine(cfg, tmp_path / "run")
+    with pytest.raises(
+        LayoutError, match=r"\(t2\): tp_size=2: Olmo2ForCausalLM normalises q and k over all heads.*use tp_size=1$"
+    ):
+        engine.initialize()
+    assert engine.rollout.cluster.scheduler is None
