@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.moe import run_moe
+from tests.helpers.configs import grpo_rewards_on_tiny
+from tests.helpers.moe import MOE_TINY, run_moe
 
 
 def test_moe_grpo_steps_train(tmp_path):
@@ -34,14 +35,6 @@ def test_moe_grpo_steps_train(tmp_path):
 
 
 def test_moe_grpo_reward_goes_up(tmp_path):
-    rows = run_moe(
-        tmp_path,
-        "reward.fn=tests.helpers.rewards:sevens",
-        "optim.lr=0.02",
-        "train.steps=12",
-        "train.eval_interval=0",
-        "train.seed=1",
-    )
-    rewards = [r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r]
+    rewards = grpo_rewards_on_tiny(tmp_path, MOE_TINY)
     assert len(rewards) == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
