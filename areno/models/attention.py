@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from areno.models.config import ModelConfig
 from areno.types import sequence_index_T
 
 
@@ -47,7 +48,8 @@ class PackedCausalAttention:
     """Causal attention inside each packed sequence (no attention across sequence boundaries).
 
     ``cu_seqlens_B1``: int [B+1] boundaries. ``sliding_window``: Mistral's window (a query sees
-    itself and the previous ``sliding_window - 1`` tokens), or None. ``impl``:
+    itself and the previous ``sliding_window - 1`` tokens), or None; ``window_layers``: the layers it
+    applies to where only some slide (None: every layer; ``for_model`` reads both). ``impl``:
     - ``"sdpa"``: SDPA per sequence with ``is_causal`` (the CPU default: no work across sequences).
     - ``"sdpa_mask"``: one SDPA call with a block-diagonal causal boolean mask [T, T].
     - ``"flex"``: FlexAttention with a document block mask, compiled (the CUDA default).
@@ -68,11 +70,26 @@ class PackedCausalAttention:
 
     IMPLS = ("auto", "sdpa", "sdpa_mask", "sdpa_padded", "flex", "varlen")
 
-    def __init__(self, cu_seqlens_B1: torch.Tensor, *, sliding_window: int | None = None, impl: str = "auto") -> None:
+    @classmethod
+    def for_model(cls, cu_seqlens_B1: torch.Tensor, config: ModelConfig, impl: str = "auto") -> PackedCausalAttention:
+        """The attention of ``config``'s layers: its window, in the layers that take it."""
+        return cls(cu_seqlens_B1, sliding_window=config.sliding_window, impl=impl, window_layers=config.window_layers)
+
+    def __init__(
+        self,
+        cu_seqlens_B1: torch.Tensor,
+        *,
+        sliding_window: int | None = None,
+        impl: str = "auto",
+        window_layers: tuple[int, ...] | None = None,
+    ) -> None:
         if impl not in self.IMPLS:
             raise ValueError(f"PackedCausalAttention impl must be one of {self.IMPLS}, got {impl!r}")
         self.cu_seqlens_B1 = cu_seqlens_B1
         self.sliding_window = sliding_window
+        self.window_layers = window_layers if sliding_window is not None else None
+        # where only some layers slide, the others attend through a window-less twin (its own mask or layout)
+        self._full = None if self.window_layers is None else PackedCausalAttention(cu_seqlens_B1, impl=impl)
         self.impl = impl
         self._prepared_for: tuple | None = None
         self._cuda_impl = "auto"
@@ -97,6 +114,8 @@ class PackedCausalAttention:
         default auto. ``query_heads``: q's heads, which ``length_buckets`` weighs a padded batch's
         cost against (1 when not given)."""
         device = torch.device(device)
+        if self._full is not None:
+            self._full.prepare(num_tokens, device, head_dim, dtype, cuda_impl, query_heads)
         if cuda_impl is not None:
             self._cuda_impl = cuda_impl
         small_heads = head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
@@ -204,6 +223,8 @@ class PackedCausalAttention:
         )
 
     def __call__(self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
+        if self._full is not None and layer_idx not in self.window_layers:
+            return self._full(layer_idx, q_THD, k_THD, v_THD)
         self.prepare(q_THD.shape[0], q_THD.device, q_THD.shape[-1], q_THD.dtype, query_heads=q_THD.shape[1])
         impl = self._impl
         if impl == "sdpa":

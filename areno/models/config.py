@@ -42,6 +42,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo3",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
 }
@@ -61,6 +62,17 @@ def causal_architecture(arch: str) -> str:
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 """The layouts transformers gives one sliding window in every layer (``sliding_window`` in config.json)."""
+LAYER_TYPE_ARCHITECTURES = (
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Olmo3ForCausalLM",
+)
+"""The layouts whose transformers class reads a window per layer (``layer_types``, or Qwen's
+``use_sliding_window`` + ``max_window_layers``)."""
+OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+"""OLMo 2's layout (q/k norms over the projections, norms after each block); OLMo 3 adds windows."""
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
@@ -113,7 +125,13 @@ class ModelConfig:
     nope_layers: tuple[int, ...] = ()
     """Layers that apply no RoPE to q and k (SmolLM3's ``no_rope_layers`` entries of 0)."""
     sliding_window: int | None = None
-    """Mistral sliding attention window (a query sees the last ``sliding_window`` keys), or None."""
+    """Sliding attention window (a query sees the last ``sliding_window`` keys) of the ``window_layers``, or None."""
+    window_layers: tuple[int, ...] | None = None
+    """The layers that take ``sliding_window`` where only some do (``layer_types``: OLMo 3, Mistral; Qwen's
+    ``max_window_layers``), the others attending to every earlier key; None: every layer takes it."""
+    window_rope: dict[str, Any] | None = None
+    """The RoPE of the ``window_layers`` where it differs from the other layers' (OLMo 3 scales only its full
+    layers' RoPE): ``{"rope_theta": float, "rope_scaling": dict | None}``; None: one RoPE for every layer."""
     initializer_range: float = 0.02
     """Std of the normal init of linear and embedding weights."""
     architecture: str = "Qwen2ForCausalLM"
@@ -186,23 +204,8 @@ class ModelConfig:
         self._check_arch_flags()
         self._check_moe()
         if self.rope_scaling is not None:
-            scaling = dict(self.rope_scaling)
-            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-            if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
-            scaling.pop("type", None)
-            scaling["rope_type"] = rope_type
-            need = {
-                "default": (),
-                "linear": ("factor",),
-                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-                "yarn": ("original_max_position_embeddings",),
-            }[rope_type]
-            missing = [k for k in need if k not in scaling]
-            if missing:
-                raise ValueError(f"rope_scaling of type {rope_type!r} lacks {missing}")
-            scaling.pop("rope_theta", None)  # transformers 5 keeps it inside rope_parameters
-            object.__setattr__(self, "rope_scaling", None if rope_type == "default" else scaling)
+            object.__setattr__(self, "rope_scaling", _normalized_scaling(self.rope_scaling))
+        self._check_windows()
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if self.mrope_section is not None:
@@ -215,9 +218,9 @@ class ModelConfig:
     def _check_arch_flags(self) -> None:
         """Only flag combinations that transformers' class for ``architecture`` can express."""
         arch = self.architecture
-        if self.qk_norm != (arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM")):
-            raise ValueError(f"qk_norm={self.qk_norm} is impossible for {arch} (only Qwen3 and OLMo 2 have q/k norms)")
-        scope, layout = ("projection", "post") if arch == "Olmo2ForCausalLM" else ("head", "pre")
+        if self.qk_norm != (arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *OLMO_ARCHITECTURES)):
+            raise ValueError(f"qk_norm={self.qk_norm} is impossible for {arch} (only Qwen3 and OLMo have q/k norms)")
+        scope, layout = ("projection", "post") if arch in OLMO_ARCHITECTURES else ("head", "pre")
         if (self.qk_norm_scope, self.norm_layout) != (scope, layout):
             raise ValueError(
                 f"{arch} has qk_norm_scope={scope!r} and norm_layout={layout!r}, "
@@ -231,7 +234,13 @@ class ModelConfig:
             )
         if (
             arch
-            in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM", "SmolLM3ForCausalLM")
+            in (
+                "LlamaForCausalLM",
+                "Qwen3ForCausalLM",
+                "Qwen3MoeForCausalLM",
+                *OLMO_ARCHITECTURES,
+                "SmolLM3ForCausalLM",
+            )
             and self.attention_bias != self.attention_out_bias
         ):
             raise ValueError(f"{arch} biases q/k/v/o together: attention_bias must equal attention_out_bias")
@@ -250,8 +259,57 @@ class ModelConfig:
             )
         if any(not 0 <= i < self.num_hidden_layers for i in self.nope_layers):
             raise ValueError(f"nope_layers {list(self.nope_layers)} must be layer indices < {self.num_hidden_layers}")
-        if self.sliding_window is not None and arch not in WINDOWED_ARCHITECTURES:
-            raise ValueError(f"sliding_window is only supported for {', '.join(WINDOWED_ARCHITECTURES)}, not {arch}")
+        windowed = WINDOWED_ARCHITECTURES + LAYER_TYPE_ARCHITECTURES
+        if self.sliding_window is not None and arch not in windowed:
+            raise ValueError(f"sliding_window is only supported for {', '.join(dict.fromkeys(windowed))}, not {arch}")
+
+    def _check_windows(self) -> None:
+        """``window_layers`` sorted, in range and only where transformers reads a window per layer; one
+        covering every layer is None; ``window_rope`` only beside full-attention layers."""
+        layers = self.window_layers
+        if layers is not None:
+            layers = tuple(sorted({int(i) for i in layers}))
+            if self.sliding_window is None or not layers:
+                raise ValueError("ModelConfig.window_layers needs a sliding_window and at least one layer")
+            if any(not 0 <= i < self.num_hidden_layers for i in layers):
+                raise ValueError(f"window_layers {list(layers)} must be layer indices < {self.num_hidden_layers}")
+            if self.architecture not in LAYER_TYPE_ARCHITECTURES:
+                raise ValueError(
+                    f"window_layers (a window in some layers only) are only expressible for "
+                    f"{', '.join(LAYER_TYPE_ARCHITECTURES)}, not {self.architecture}"
+                )
+            object.__setattr__(self, "window_layers", None if len(layers) == self.num_hidden_layers else layers)
+        if self.window_rope is None:
+            return
+        if self.window_layers is None or self.architecture != "Olmo3ForCausalLM":
+            raise ValueError(
+                "ModelConfig.window_rope (another RoPE in the window layers) is only expressible for "
+                f"Olmo3ForCausalLM with window_layers, not {self.architecture} with window_layers={self.window_layers}"
+            )
+        rope = dict(self.window_rope)
+        unknown = sorted(set(rope) - {"rope_theta", "rope_scaling"})
+        theta = rope.get("rope_theta", self.rope_theta)
+        if unknown or not isinstance(theta, (int, float)) or theta <= 0:
+            raise ValueError(
+                f"ModelConfig.window_rope must be {{rope_theta: > 0, rope_scaling}}, got {self.window_rope}"
+            )
+        scaling = rope.get("rope_scaling")
+        rope = {"rope_theta": float(theta), "rope_scaling": _normalized_scaling(scaling) if scaling else None}
+        same = rope == {"rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling}
+        object.__setattr__(self, "window_rope", None if same else rope)
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The attention window of layer ``layer_idx`` (None: every earlier key)."""
+        if self.window_layers is None or layer_idx in self.window_layers:
+            return self.sliding_window
+        return None
+
+    def window_rope_config(self) -> ModelConfig | None:
+        """This config with the ``window_layers``' RoPE as its own (what their RoPE tables are built
+        from), or None where every layer turns alike."""
+        if self.window_rope is None:
+            return None
+        return self.replace(window_rope=None, **self.window_rope)
 
     def _check_moe(self) -> None:
         """Expert fields only where the architecture has experts, and in range."""
@@ -366,8 +424,8 @@ class ModelConfig:
         act = d.get("hidden_act", "silu")
         if act not in ("silu", "swish"):  # transformers' swish is SiLU
             raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
-        sliding_window = _sliding_window(arch, d)
-        rope_theta, rope_scaling = _read_rope(d)
+        sliding_window, window_layers = _sliding_window(arch, d)
+        rope_theta, rope_scaling, window_rope = _read_layer_ropes(arch, d, sliding_window, window_layers)
         heads = d["num_attention_heads"]
         attn_bias = bool(d.get("attention_bias", False))
         if arch in ("Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration"):
@@ -394,10 +452,12 @@ class ModelConfig:
             attention_out_bias=out_bias,
             mlp_bias=bool(d.get("mlp_bias", False)) if arch in ("LlamaForCausalLM", "SmolLM3ForCausalLM") else False,
             nope_layers=_nope_layers(arch, d),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM"),
-            qk_norm_scope="projection" if arch == "Olmo2ForCausalLM" else "head",
-            norm_layout="post" if arch == "Olmo2ForCausalLM" else "pre",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *OLMO_ARCHITECTURES),
+            qk_norm_scope="projection" if arch in OLMO_ARCHITECTURES else "head",
+            norm_layout="post" if arch in OLMO_ARCHITECTURES else "pre",
             sliding_window=sliding_window,
+            window_layers=window_layers,
+            window_rope=window_rope,
             initializer_range=float(d.get("initializer_range", 0.02)),
             architecture=arch,
             model_type=SUPPORTED_ARCHITECTURES[arch],
@@ -437,7 +497,7 @@ class ModelConfig:
             "LlamaForCausalLM",
             "Qwen3ForCausalLM",
             "Qwen3MoeForCausalLM",
-            "Olmo2ForCausalLM",
+            *OLMO_ARCHITECTURES,
             "SmolLM3ForCausalLM",
         ):
             d["attention_bias"] = self.attention_bias
@@ -448,10 +508,20 @@ class ModelConfig:
             d["use_sliding_window"] = False
             d["sliding_window"] = None
         if self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
-            d["use_sliding_window"] = False
-            d["sliding_window"] = None
-        if self.architecture in WINDOWED_ARCHITECTURES:
+            d["use_sliding_window"] = self.sliding_window is not None
             d["sliding_window"] = self.sliding_window
+            if self.architecture != "Qwen3MoeForCausalLM":
+                # every layer from the first windowed one slides, as transformers reads it; layer_types says so too
+                d["max_window_layers"] = min(self.window_layers or (0,)) if self.sliding_window else 0
+        if self.architecture in WINDOWED_ARCHITECTURES or self.architecture == "Olmo3ForCausalLM":
+            d["sliding_window"] = self.sliding_window
+        if self.architecture in LAYER_TYPE_ARCHITECTURES and (self.window_layers or self.model_type == "olmo3"):
+            d["layer_types"] = [
+                "full_attention" if self.layer_window(i) is None else "sliding_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        if self.architecture == "Olmo3ForCausalLM":
+            d.update(_olmo3_rope_parameters(self))
         if self.architecture == "Qwen3MoeForCausalLM":
             d.update(
                 num_experts=self.num_experts,
@@ -479,8 +549,41 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+def _olmo3_rope_parameters(config: ModelConfig) -> dict[str, Any]:
+    """OLMo 3's RoPE keys: ``rope_parameters`` per layer type (transformers 5), beside the full layers'
+    theta and scaling in the legacy keys (which transformers 5 applies to those layers only)."""
+    window = config.window_rope_config() or config
+
+    def params(c: ModelConfig) -> dict[str, Any]:
+        return {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}
+
+    return {"rope_parameters": {"full_attention": params(config), "sliding_attention": params(window)}}
+
+
 def _unknown_arch_message(arch: str) -> str:
     return f"unsupported model architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+
+
+def _normalized_scaling(rope_scaling: dict[str, Any]) -> dict[str, Any] | None:
+    """``rope_scaling`` with its type under ``rope_type`` and its required keys checked; None for the
+    default RoPE."""
+    scaling = dict(rope_scaling)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    scaling.pop("type", None)
+    scaling["rope_type"] = rope_type
+    need = {
+        "default": (),
+        "linear": ("factor",),
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+        "yarn": ("original_max_position_embeddings",),
+    }[rope_type]
+    missing = [k for k in need if k not in scaling]
+    if missing:
+        raise ValueError(f"rope_scaling of type {rope_type!r} lacks {missing}")
+    scaling.pop("rope_theta", None)  # transformers 5 keeps it inside rope_parameters
+    return None if rope_type == "default" else scaling
 
 
 def _read_moe(arch: str, d: dict[str, Any]) -> dict[str, Any]:
@@ -531,6 +634,8 @@ HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
                   "norm_topk_prob": False, "decoder_sparse_step": 1, "router_aux_loss_coef": 0.001, "rope_theta": 1e4},
     "olmo2": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "attention_bias": False,
               "rope_theta": 1e4},
+    "olmo3": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "attention_bias": False,
+              "sliding_window": 4096, "rope_theta": 5e5},
     "phi3": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "sliding_window": None,
              "rope_theta": 1e4},
     "smollm3": {**_COMMON, "tie_word_embeddings": True, "max_position_embeddings": 32768, "attention_bias": False,
@@ -552,16 +657,19 @@ def _with_hf_defaults(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
     theta = defaults.pop("rope_theta", None)
     out = {**defaults, **d}
     rope_given = d.get("rope_theta") is not None or any(
-        isinstance(d.get(k), dict) and "rope_theta" in d[k] for k in ("rope_parameters", "rope_scaling")
+        isinstance(d.get(k), dict)
+        and ("rope_theta" in d[k] or any(isinstance(v, dict) and "rope_theta" in v for v in d[k].values()))
+        for k in ("rope_parameters", "rope_scaling")
     )
     if not rope_given and theta is not None:
         out["rope_theta"] = float(theta)
     return out
 
 
-def _sliding_window(arch: str, d: dict[str, Any]) -> int | None:
-    """The attention window of every layer, or None; per-layer windows (some layers sliding, some not,
-    as ``layer_types`` or Qwen's ``use_sliding_window`` + ``max_window_layers`` give them) are refused."""
+def _sliding_window(arch: str, d: dict[str, Any]) -> tuple[int | None, tuple[int, ...] | None]:
+    """(the attention window, the layers that take it: None for every layer), as transformers' class for
+    ``arch`` reads them: one window in every layer, or per layer from ``layer_types`` (Qwen: from
+    ``use_sliding_window`` and ``max_window_layers``)."""
     n = d["num_hidden_layers"]
     types = d.get("layer_types")
     if types is not None:
@@ -573,9 +681,18 @@ def _sliding_window(arch: str, d: dict[str, Any]) -> int | None:
     if arch in WINDOWED_ARCHITECTURES:
         window = d.get("sliding_window")
         if arch != "MistralForCausalLM" or types is None:  # transformers reads layer_types for Mistral only
-            return window
-    elif arch in ("LlamaForCausalLM", "Olmo2ForCausalLM"):  # transformers gives them no window
-        return None
+            return window, None
+    elif arch in ("LlamaForCausalLM", "Olmo2ForCausalLM"):
+        return None, None  # transformers gives them no window
+    elif arch == "Olmo3ForCausalLM":
+        window = d.get("sliding_window")
+        if types is None:  # Olmo3Config's default: every fourth layer full
+            types = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
+        if window is None and "sliding_attention" in types:  # such layers would still take their own RoPE
+            raise ValueError(
+                "config.json: OLMo 3 with sliding_attention layers and sliding_window null: set sliding_window "
+                "(Olmo3Config's default is 4096) or make every layer full_attention"
+            )
     else:  # the Qwen family: windows only with use_sliding_window, from layer max_window_layers on
         window = d.get("sliding_window") if d.get("use_sliding_window") else None
         if types is None and arch == "Qwen3MoeForCausalLM":  # its config has no max_window_layers: every layer
@@ -588,18 +705,10 @@ def _sliding_window(arch: str, d: dict[str, Any]) -> int | None:
                 "config.json layer_types has sliding_attention layers but use_sliding_window is false or "
                 "sliding_window is null (transformers cannot build it either): make them agree"
             )
-    sliding = [t == "sliding_attention" for t in types]
-    if not any(sliding) or window is None:
-        return None
-    if all(sliding) and arch in ("MistralForCausalLM", "MixtralForCausalLM"):
-        return window
-    layers = [i for i, s in enumerate(sliding) if s]
-    if all(sliding):
-        raise ValueError(f"{arch} with sliding-window attention (all {n} layers) is not supported")
-    raise ValueError(
-        f"{arch} with sliding-window attention on layers {layers} only (of {n}) is not supported: areno applies "
-        "one attention to every layer"
-    )
+    layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if not layers or window is None:
+        return None, None
+    return window, None if len(layers) == n else layers
 
 
 def _nope_layers(arch: str, d: dict[str, Any]) -> tuple[int, ...]:
@@ -615,6 +724,52 @@ def _nope_layers(arch: str, d: dict[str, Any]) -> tuple[int, ...]:
     if not isinstance(flags, list) or len(flags) != n:
         raise ValueError(f"config.json no_rope_layers must be a list of num_hidden_layers={n} entries, got {flags!r}")
     return tuple(i for i, use_rope in enumerate(flags) if not use_rope)
+
+
+OLMO3_THETA = 500000.0
+"""Olmo3Config's RoPE theta, which transformers 5 gives its sliding-window layers where a file has legacy keys."""
+
+
+def _read_layer_ropes(
+    arch: str, d: dict[str, Any], window: int | None, window_layers: tuple[int, ...] | None
+) -> tuple[float, dict[str, Any] | None, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) of the full-attention layers and the window layers' RoPE (None where
+    alike): ``rope_parameters`` per layer type (transformers 5 writes OLMo 3's so), or one RoPE for
+    every layer, except OLMo 3's legacy keys, whose ``rope_scaling`` transformers applies to its full
+    layers only."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        if arch != "Olmo3ForCausalLM":
+            raise ValueError(
+                f"config.json rope_parameters per layer type ({sorted(params)}) are not read by {arch}'s class in "
+                "transformers (OLMo 3's is): give one RoPE (rope_theta, rope_scaling)"
+            )
+        unknown = sorted(set(params) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(
+                f"config.json rope_parameters for layer types {unknown} are not supported (full_attention, "
+                "sliding_attention)"
+            )
+        full, sliding = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        theta, scaling = _read_rope({**d, "rope_parameters": full})
+        window = {"max_position_embeddings": d.get("max_position_embeddings", 2048), "rope_parameters": sliding}
+        window_theta, window_scaling = _read_rope({"rope_theta": sliding.get("rope_theta", theta), **window})
+    else:
+        theta, scaling = _read_rope(d)
+        if arch != "Olmo3ForCausalLM":
+            return theta, scaling, None
+        if theta != OLMO3_THETA and window_layers is not None:
+            raise ValueError(
+                f"config.json: OLMo 3 with rope_theta {theta} in legacy keys (transformers 5 turns the sliding-window "
+                f"layers at {OLMO3_THETA:g} whatever it says): give rope_parameters per layer type "
+                "(full_attention, sliding_attention)"
+            )
+        window_theta, window_scaling = theta, None
+    if window is None:  # no layer slides
+        return theta, scaling, None
+    if window_layers is None:  # every layer slides
+        return window_theta, window_scaling, None
+    return theta, scaling, {"rope_theta": window_theta, "rope_scaling": window_scaling}
 
 
 def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

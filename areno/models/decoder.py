@@ -211,6 +211,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, self.num_kv_heads * dh, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * dh, d, bias=config.attention_out_bias)
         self.use_rope = layer_idx not in config.nope_layers  # SmolLM3 leaves every fourth layer unrotated
+        # which of a stacked [2, T, F] cos/sin this layer turns by (OLMo 3's window layers: their own RoPE)
+        self.rope_slot = int(config.window_rope is not None and config.layer_window(layer_idx) is not None)
         # Qwen3 normalises each head (weights [Dh]); OLMo 2 the whole projection, before the head split
         self.qk_norm_heads = config.qk_norm and config.qk_norm_scope == "head"
         if config.qk_norm:
@@ -225,6 +227,8 @@ class Attention(nn.Module):
         self, x_TD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         T = x_TD.shape[0]
+        if cos_TF.dim() == 3:  # one RoPE table per layer kind (``Decoder.rope_at``)
+            cos_TF, sin_TF = cos_TF[self.rope_slot], sin_TF[self.rope_slot]
         # Head counts come from the weights, so a TP-sharded projection works unchanged.
         qkv_TN = self.qkv(x_TD) if self.qkv is not None and self.qkv.usable() else None  # one GEMM
         if qkv_TN is not None:
@@ -358,7 +362,8 @@ class DecoderModel(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral / OLMo 2 / Phi-3 / SmolLM3 decoder over packed 1-D token streams.
+    """Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral / OLMo 2 / OLMo 3 / Phi-3 / SmolLM3 decoder over packed
+    1-D token streams.
 
     Tensor parallelism without torch.distributed in the model: with ``tp_size > 1`` this module
     holds one rank's shards as laid out by ``tp_plan`` (1/tp of the heads, the MLP columns and,
@@ -390,6 +395,10 @@ class Decoder(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // tp_size, bias=False)
         self.rope = RotaryCache(config)
+        window_rope = config.window_rope_config()
+        self.window_rope = RotaryCache(window_rope) if window_rope is not None else None
+        """The window layers' RoPE tables where theirs differs (OLMo 3); the layers pick theirs by
+        ``Attention.rope_slot`` from cos/sin stacked [2, T, F]."""
         self._cpu_packs = inference.CpuGemmPacks()
         """Filled by ``pack_cpu_gemms``: the oneDNN-packed weight copies (inference on CPU)."""
         self.reset_parameters()
@@ -476,16 +485,27 @@ class Decoder(nn.Module):
         """Final-normed hidden states [T, D]. ``attn=None`` treats the input as one sequence."""
         if attn is None:
             cu_seqlens_B1 = torch.tensor([0, input_ids_T.numel()], dtype=torch.long)
-            attn = PackedCausalAttention(cu_seqlens_B1, sliding_window=self.config.sliding_window)
+            attn = PackedCausalAttention.for_model(cu_seqlens_B1, self.config)
         x_TD = self.model.embed_tokens(input_ids_T)
         if isinstance(attn, (PackedCausalAttention, SharedPrefixAttention)):
             self.prepare_attention(attn, x_TD)
-        cos_PF, sin_PF = self.rope.get(x_TD.device, x_TD.dtype)
-        cos_TF, sin_TF = cos_PF[position_ids_T], sin_PF[position_ids_T]
+        cos_TF, sin_TF = self.rope_at(position_ids_T, x_TD.device, x_TD.dtype)
         # the fused add + norm kernels norm the sum of a residual add: the pre-norm layout's pair
         if fused_ops.add_norm_active(x_TD) and self.config.norm_layout == "pre":
             return inference.forward_add_norm(self.model.layers, self.model.norm, x_TD, cos_TF, sin_TF, attn)
         return self.forward_layers(x_TD, cos_TF, sin_TF, attn)
+
+    def rope_at(
+        self, position_ids_T: torch.Tensor, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, Dh/2] at ``position_ids_T``; [2, T, Dh/2] (the full layers', the window
+        layers') where the window layers turn otherwise (``Attention.rope_slot`` picks)."""
+        cos_PF, sin_PF = self.rope.get(device, dtype)
+        cos_TF, sin_TF = cos_PF[position_ids_T], sin_PF[position_ids_T]
+        if self.window_rope is None:
+            return cos_TF, sin_TF
+        wcos_PF, wsin_PF = self.window_rope.get(device, dtype)
+        return torch.stack((cos_TF, wcos_PF[position_ids_T])), torch.stack((sin_TF, wsin_PF[position_ids_T]))
 
     def forward_layers(
         self, x_TD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor, attn: AttentionBackend

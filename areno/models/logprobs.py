@@ -637,7 +637,7 @@ def packed_logprobs(
             f"max_position_embeddings={model.config.max_seq_len}"
         )
     device = input_ids_T.device
-    attn = PackedCausalAttention(cu_host_B1, sliding_window=model.config.sliding_window)
+    attn = PackedCausalAttention.for_model(cu_host_B1, model.config)
     position_ids_T = position_ids_from_cu_seqlens(cu_host_B1, device)
     hidden_TD = model(input_ids_T, position_ids_T, attn)
     # hidden[t] predicts token t+1; the prediction across a sequence boundary is zeroed below.

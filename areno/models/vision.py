@@ -702,7 +702,7 @@ class VisionLanguageModel(Decoder):
         batch: positions restart at 0 per sequence), the M-RoPE positions are computed here."""
         if attn is None:
             cu_seqlens_B1 = torch.tensor([0, input_ids_T.numel()], dtype=torch.long)
-            attn = PackedCausalAttention(cu_seqlens_B1, sliding_window=self.config.sliding_window)
+            attn = PackedCausalAttention.for_model(cu_seqlens_B1, self.config)
         if images is not None and images.grid_thw and position_ids_T.dim() == 1:
             position_ids_T, image_mask_T = self.packed_mrope_positions(input_ids_T, position_ids_T, images)
         x_TD = self.embed(input_ids_T, images, image_embeds, image_mask_T)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -202,6 +203,26 @@ class SeqChunk:
     num_new: int
 
 
+class LayerWindowAttention:
+    """A step's attention where only some layers slide (OLMo 3; Qwen's ``max_window_layers``): the
+    ``window_layers`` attend through one ``PagedAttention`` with the window, the others through one
+    without, over the same pools and slots (each layer writes its K/V through the one it calls)."""
+
+    def __init__(self, full: PagedAttention, window: PagedAttention, window_layers: tuple[int, ...]) -> None:
+        self.full, self.window = full, window
+        self.window_layers = frozenset(window_layers)
+
+    def _of(self, layer_idx: int) -> PagedAttention:
+        return self.window if layer_idx in self.window_layers else self.full
+
+    def __call__(self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
+        return self._of(layer_idx)(layer_idx, q_THD, k_THD, v_THD)
+
+    def attend_rotary(self, layer_idx: int, *args: Any) -> torch.Tensor | None:
+        """``PagedAttention.attend_rotary`` of the layer's kind."""
+        return self._of(layer_idx).attend_rotary(layer_idx, *args)
+
+
 def _block_tables_BN(chunks: list[SeqChunk]) -> torch.Tensor:
     n_max = max(len(c.block_table) for c in chunks)
     return torch.tensor([c.block_table + [0] * (n_max - len(c.block_table)) for c in chunks], dtype=torch.long)
@@ -244,11 +265,18 @@ class PagedAttention:
         device: torch.device,
         sliding_window: int | None = None,
         bt_BN: torch.Tensor | None = None,
-    ) -> PagedAttention:
+        *,
+        window_layers: tuple[int, ...] | None = None,
+    ) -> PagedAttention | LayerWindowAttention:
         """``chunks`` must list the decode sequences (``num_new == 1``) first. With
-        ``sliding_window`` a query at position p sees keys p - sliding_window < j <= p (Mistral).
-        ``bt_BN``: the chunks' block tables as a CPU tensor (any padding id; built from the chunks
-        when None)."""
+        ``sliding_window`` a query at position p sees keys p - sliding_window < j <= p (Mistral), in the
+        ``window_layers`` only where given (``LayerWindowAttention``). ``bt_BN``: the chunks' block
+        tables as a CPU tensor (any padding id; built from the chunks when None)."""
+        if sliding_window is not None and window_layers is not None:
+            return LayerWindowAttention(
+                cls.build(cache, chunks, device, None, bt_BN), cls.build(cache, chunks, device, sliding_window, bt_BN),
+                window_layers,
+            )  # fmt: skip
         bs = cache.block_size
         num_decode = 0
         while num_decode < len(chunks) and chunks[num_decode].num_new == 1:
@@ -300,7 +328,9 @@ class PagedAttention:
         carry: bool = False,
         slot_B: torch.Tensor | None = None,
         final_keys: int | None = None,
-    ) -> PagedAttention:
+        *,
+        window_layers: tuple[int, ...] | None = None,
+    ) -> PagedAttention | LayerWindowAttention:
         """A pure-decode step from device tensors only (static shapes: usable inside a CUDA graph).
 
         ``bt_BN``: block tables padded with any block id (padding keys are masked); ``ctx_B``: context
@@ -313,9 +343,17 @@ class PagedAttention:
         pure-decode step of the gathered form on CPU may extend the keys gathered by the previous
         step (``cache.decode_carry``, ``DecodeCarry``) instead of gathering them again; ``final_keys``:
         the longest row's length limit, which bounds the carried copies. ``slot_B``: the new tokens'
-        slots when the caller has them (``fused_loop.decode_slots``)."""
+        slots when the caller has them (``fused_loop.decode_slots``). ``window_layers``: the layers the
+        window applies to where only some slide (``LayerWindowAttention``; no carry: the two kinds of
+        layer would extend one carried copy twice a step)."""
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
+        if sliding_window is not None and window_layers is not None:
+
+            def part(window: int | None) -> PagedAttention:
+                return cls.for_decode(cache, bt_BN, ctx_B, window, kv_slots_BL, decode_attention, slot_B=slot_B)
+
+            return LayerWindowAttention(part(None), part(sliding_window), window_layers)
         bs = cache.block_size
         N = bt_BN.shape[1]
         if slot_B is None:
@@ -349,17 +387,35 @@ class PagedAttention:
         max_q: int,
         max_k: int,
         sliding_window: int | None = None,
-    ) -> PagedAttention:
+        *,
+        window_layers: tuple[int, ...] | None = None,
+    ) -> PagedAttention | LayerWindowAttention:
         """A step of prompt chunks (decode rows as one-token chunks) from device tensors only (static
         shapes: usable inside a CUDA graph; CUDA with 16-bit K/V and ``varlen_available()``). Each
         layer writes the step's K/V at ``slot_T``, gathers every sequence's keys at ``kv_slots_L`` (its
         cached prefix and its chunk, sequence after sequence) and attends with one ``varlen_causal``
         call (``cu_q_B1`` / ``cu_k_B1``: int32 boundaries; ``max_q`` / ``max_k``: bounds of the
         lengths). The queries of a sequence are the last of its keys, so a chunk sees its prefix; a
-        sequence with queries and no keys gets 0."""
+        sequence with queries and no keys gets 0. ``window_layers``: as ``build``'s."""
+        if sliding_window is not None and window_layers is not None:
+            args = (cache, slot_T, kv_slots_L, cu_q_B1, cu_k_B1, max_q, max_k)
+            return LayerWindowAttention(cls.for_prefill(*args), cls.for_prefill(*args, sliding_window), window_layers)
         has_gqa, has_window = varlen_features()
         varlen = _VarlenPrefill(kv_slots_L, cu_q_B1, cu_k_B1, max_q, max_k, sliding_window, has_gqa, has_window)
         return cls(cache, slot_T, 0, None, None, varlen=varlen)
+
+    @classmethod
+    def mixed(
+        cls, dec: PagedAttention | LayerWindowAttention, pre: PagedAttention | LayerWindowAttention
+    ) -> PagedAttention | LayerWindowAttention:
+        """One step of ``dec``'s decode rows (``for_decode``) then ``pre``'s prompt chunks (``build``),
+        each kind of layer apart where only some slide."""
+        if isinstance(dec, LayerWindowAttention):
+            return LayerWindowAttention(
+                cls.mixed(dec.full, pre.full), cls.mixed(dec.window, pre.window), tuple(dec.window_layers)
+            )
+        slots_T = torch.cat((dec.slot_mapping_T, pre.slot_mapping_T))
+        return cls(dec.cache, slots_T, dec.num_decode, dec.decode, pre.prefill, dec.paged)
 
     @staticmethod
     def decode_kv_slots(bt_BN: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -87,6 +87,7 @@ class GraphHost(Protocol):
     max_position: int
     vocab_size: int
     sliding_window: int | None
+    window_layers: tuple[int, ...] | None
     eos_token_ids: tuple[int, ...]
     decode_steps: int
     loop_steps: tuple[int, ...]
@@ -337,7 +338,13 @@ class DecodeGraphRunner:
         bs = e.cache.block_size
         slot_B, pos_B = fused_loop.decode_slots(bt_BN, ctx_B, bs, e.cache.scratch_block * bs, e.max_position)
         attn = PagedAttention.for_decode(
-            e.cache, bt_BN, ctx_B, e.sliding_window, decode_attention=e.config.decode_attention, slot_B=slot_B
+            e.cache,
+            bt_BN,
+            ctx_B,
+            e.sliding_window,
+            decode_attention=e.config.decode_attention,
+            slot_B=slot_B,
+            window_layers=e.window_layers,
         )
         hidden_BD = e.model(ids_B, pos_B, attn)
         return e._logits(hidden_BD)

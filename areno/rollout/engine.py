@@ -239,6 +239,8 @@ class RolloutEngine:
         ``mixed_decode_min_rows``, ``decode_steps - 1`` (after a mixed step's first token)."""
         self.vocab_size = model_config.vocab_size
         self.sliding_window = getattr(model_config, "sliding_window", None)
+        self.window_layers = getattr(model_config, "window_layers", None)
+        """The layers the window applies to where only some slide (None: every layer)."""
         self.cache, self.allocator, self.scheduler = self._build_kv_pool()
         # the seen tokens of each slot's sequence (repetition penalty; allocated at the first request with one)
         presence = PresenceTable(config.max_num_seqs + 1, self.vocab_size, self.device)
@@ -277,6 +279,7 @@ class RolloutEngine:
             max_position=self.max_position,
             vocab_size=self.vocab_size,
             sliding_window=self.sliding_window,
+            window_layers=self.window_layers,
             eos_token_ids=self.eos_token_ids,
             logits=self._logits,
             sample_rows=self._sample_rows,

@@ -146,7 +146,9 @@ class PrefillGraphRunner:
 
         pos_T, slot_T = slots(end_q_B - new_B, end_q_B, starts_B, T)
         _, kv_slots_L = slots(end_k_B - ctx_B, end_k_B, torch.zeros_like(starts_B), L)
-        attn = PagedAttention.for_prefill(e.cache, slot_T, kv_slots_L, cu_q, cu_k, max_q, L, e.sliding_window)
+        attn = PagedAttention.for_prefill(
+            e.cache, slot_T, kv_slots_L, cu_q, cu_k, max_q, L, e.sliding_window, window_layers=e.window_layers
+        )
         hidden_TD = e.model(ids_T, pos_T.clamp(max=e.max_position - 1), attn)
         return hidden_TD.index_select(0, (end_q_B - 1).clamp(min=0))
 

@@ -70,6 +70,7 @@ class Stepper:
         max_position: int,
         vocab_size: int,
         sliding_window: int | None,
+        window_layers: tuple[int, ...] | None,
         eos_token_ids: tuple[int, ...],
         logits: Callable[[torch.Tensor], torch.Tensor],
         sample_rows: Callable[[torch.Tensor, RowParams], tuple[torch.Tensor, torch.Tensor]],
@@ -82,6 +83,7 @@ class Stepper:
         self.model, self.cache, self.config, self.device = model, cache, config, device
         self.decode_steps, self.max_model_len, self.max_position = decode_steps, max_model_len, max_position
         self.vocab_size, self.sliding_window, self.eos_token_ids = vocab_size, sliding_window, eos_token_ids
+        self.window_layers = window_layers
         self.logits, self.sample_rows = logits, sample_rows
         self.graphs = None
         self.prefill_graphs = None
@@ -459,6 +461,7 @@ class Stepper:
                     self.config.decode_attention,
                     carry=True,
                     final_keys=final_keys,
+                    window_layers=self.window_layers,
                 )
                 pos_B = ctx_B - 1 if delta_B is None else ctx_B - 1 + delta_B.to(self.device)
                 hidden_BD = self.model(ids_B, pos_B.clamp(max=self.max_position - 1), attn)
@@ -569,23 +572,27 @@ class Stepper:
         the host (``PagedAttention.build``). ``decode_pos_B``: the decode rows' positions, on the device."""
         nd = batch.num_decode
         bt_BN = self.scheduler.block_tables_for(batch.rows, batch.max_blocks)
+        windows = dict(window_layers=self.window_layers)
         if nd == 0:
-            return PagedAttention.build(self.cache, batch.chunks, self.device, self.sliding_window, bt_BN=bt_BN)
+            return PagedAttention.build(self.cache, batch.chunks, self.device, self.sliding_window, bt_BN, **windows)
         width = max([len(s.block_table) for s in batch.seqs[:nd]])
         dec_bt_BN = bt_BN[:nd, :width].to(self.device, non_blocking=True)
         # decode rows as in a pure-decode step: the paged kernel where configured (on CUDA by default;
         # the gathered form's SDPA over [rows, context] took most of a mixed step's time on an H200)
         dec = PagedAttention.for_decode(
-            self.cache, dec_bt_BN, decode_pos_B + 1, self.sliding_window, decode_attention=self.config.decode_attention
+            self.cache,
+            dec_bt_BN,
+            decode_pos_B + 1,
+            self.sliding_window,
+            decode_attention=self.config.decode_attention,
+            **windows,
         )
         if nd == len(batch.seqs):
             return dec
         pre = PagedAttention.build(
-            self.cache, batch.chunks_from(nd), self.device, self.sliding_window, bt_BN=bt_BN[nd:]
+            self.cache, batch.chunks_from(nd), self.device, self.sliding_window, bt_BN[nd:], **windows
         )
-        return PagedAttention(
-            self.cache, torch.cat((dec.slot_mapping_T, pre.slot_mapping_T)), nd, dec.decode, pre.prefill, dec.paged
-        )
+        return PagedAttention.mixed(dec, pre)
 
 
 def _token_table(tokens_KB: torch.Tensor, logprobs_KB: torch.Tensor, keep_B: torch.Tensor | None) -> torch.Tensor:

@@ -41,7 +41,9 @@ def hidden_states_TD(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
             pos_C = host_to_device(pos_T.index_select(0, sharing.source_C), device)
             hidden_CD = model(ids_C, pos_C, prefix_sharing.SharedPrefixAttention(sharing))
             return hidden_CD.index_select(0, host_to_device(sharing.expand_T, device))
-    attn = PackedCausalAttention(cu_host_B1, sliding_window=getattr(model.config, "sliding_window", None))
+    config = model.config
+    window, window_layers = getattr(config, "sliding_window", None), getattr(config, "window_layers", None)
+    attn = PackedCausalAttention(cu_host_B1, sliding_window=window, window_layers=window_layers)
     ids_T, pos_T = host_to_device(batch.input_ids_T, device), position_ids_from_cu_seqlens(cu_host_B1, device)
     if images is not None:  # a vision-language batch: the vision tower runs inside this forward
         return model(ids_T, pos_T, attn, images=images)

@@ -111,7 +111,7 @@ def _cp_forward(forward, decoder: Decoder, group: dist.ProcessGroup, cp: int, ra
     def run(input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, attn=None, **kwargs) -> torch.Tensor:
         T = input_ids_T.shape[0]
         if attn is None:
-            attn = PackedCausalAttention(torch.tensor([0, T]), sliding_window=decoder.config.sliding_window)
+            attn = PackedCausalAttention.for_model(torch.tensor([0, T]), decoder.config)
         if not isinstance(attn, PackedCausalAttention):
             raise TypeError(f"context parallelism needs a PackedCausalAttention, got {type(attn).__name__}")
         Tp = padded_tokens(T, cp)
@@ -121,7 +121,9 @@ def _cp_forward(forward, decoder: Decoder, group: dist.ProcessGroup, cp: int, ra
             input_ids_T = F.pad(input_ids_T, (0, pad))
             position_ids_T = torch.cat([position_ids_T, torch.arange(pad, device=position_ids_T.device)])
             cu_B1 = torch.cat([cu_B1, cu_B1.new_tensor([Tp])])
-        full = PackedCausalAttention(cu_B1, sliding_window=attn.sliding_window, impl=attn.impl)
+        full = PackedCausalAttention(
+            cu_B1, sliding_window=attn.sliding_window, impl=attn.impl, window_layers=attn.window_layers
+        )
         dtype = torch.get_autocast_dtype(input_ids_T.device.type) if torch.is_autocast_enabled() else None
         weight = decoder.model.embed_tokens.weight
         # Ulysses: each rank attends over its share of the query heads

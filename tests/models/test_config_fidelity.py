@@ -1,5 +1,5 @@
 """Every config.json areno accepts computes what transformers computes from it, or is refused by name:
-per-layer windows (``layer_types``, Qwen's ``max_window_layers``), keys left out (transformers' class
+per-layer windows (``layer_types``, Qwen's ``max_window_layers``) computed as transformers does, keys left out (transformers' class
 defaults), ``architectures`` against ``model_type``, a tied checkpoint storing another head, RoPE keys
 that disagree, the pad row's gradient, and a context past the model's positions."""
 
@@ -45,10 +45,14 @@ def _hf_dir(path, cls, edit=None, **kw):
     return path
 
 
-def _max_diff(path, n=40) -> float:
+def _max_diff(path, n=40, **changes) -> float:
+    """Most |log-prob difference| between transformers and areno on ``path`` (``changes``: fields of areno's
+    config replaced, e.g. ``window=None`` to drop its window and see that the comparison notices)."""
     ids = torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(1))
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    model, _ = load_model(path)
+    model, config = load_model(path)
+    if changes.pop("window", "keep") is None:
+        model.config = config.replace(sliding_window=None, window_layers=None)
     with torch.no_grad():
         expected = torch.log_softmax(ref(ids[None]).logits[0], -1)[:-1].gather(1, ids[1:, None])[:, 0]
         ours, _ = packed_logprobs(model, ids, torch.tensor([0, n]))
@@ -71,30 +75,46 @@ def test_mistral_layer_types_choose_the_window_as_transformers(tmp_path, layer_t
 
 def test_qwen2_windows_start_at_layer_max_window_layers(tmp_path):
     # use_sliding_window with no layer past max_window_layers: every layer attends in full
-    path = _hf_dir(tmp_path, Qwen2Config, use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    path = _hf_dir(tmp_path / "none", Qwen2Config, use_sliding_window=True, sliding_window=8, max_window_layers=2)
     assert load_model(path)[1].sliding_window is None
     assert _max_diff(path) < 1e-4
+    # from layer 1 on: layer 0 in full, layer 1 over its last 8 keys, as transformers computes them
+    path = _hf_dir(tmp_path / "one", Qwen2Config, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    config = load_model(path)[1]
+    assert (config.sliding_window, config.window_layers) == (8, (1,))
+    assert _max_diff(path) < 1e-4
+    assert _max_diff(path, window=None) > 1e-2  # the window changes the log-probs: the test above sees it
     qwen = tiny_config(VOCAB, layers=2).to_hf() | {"use_sliding_window": True, "sliding_window": 8}
-    with pytest.raises(ValueError, match=r"Qwen2ForCausalLM with sliding-window attention \(all 2 layers\)"):
-        _config({**qwen, "max_window_layers": 0})
+    every = _config({**qwen, "max_window_layers": 0})
+    assert (every.sliding_window, every.window_layers) == (8, None)
+    assert _config(every.to_hf()) == every and _config(config.to_hf()) == config
 
 
-def test_qwen3_moe_windows_every_layer_and_is_refused():
+def test_qwen3_moe_windows_every_layer():
     # walk32: its config class has no max_window_layers; transformers slides every layer
     d = tiny_config(VOCAB, arch="qwen3_moe", layers=2).to_hf() | {"use_sliding_window": True, "sliding_window": 8}
-    with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM with sliding-window attention \(all 2 layers\)"):
-        _config({**d, "max_window_layers": 28})
+    config = _config({**d, "max_window_layers": 28})
+    assert (config.sliding_window, config.window_layers) == (8, None)
 
 
-def test_per_layer_windows_and_inconsistent_layer_types_are_refused():
+def test_mistral_windows_per_layer_and_inconsistent_layer_types_are_refused(tmp_path):
+    types = ["full_attention", "sliding_attention"]
+    path = _hf_dir(tmp_path, MistralConfig, edit=lambda d: d.update(layer_types=types), sliding_window=8)
+    config = load_model(path)[1]
+    assert (config.sliding_window, config.window_layers) == (8, (1,))
+    assert _max_diff(path) < 1e-4
+    assert _max_diff(path, window=None) > 1e-2
     mistral = tiny_config(VOCAB, arch="mistral", layers=2, sliding_window=8).to_hf()
-    with pytest.raises(ValueError, match=r"sliding-window attention on layers \[1\] only \(of 2\) is not supported"):
-        _config({**mistral, "layer_types": ["full_attention", "sliding_attention"]})
     with pytest.raises(ValueError, match="layer_types must be a list of num_hidden_layers=2"):
         _config({**mistral, "layer_types": ["full_attention"]})
+    with pytest.raises(ValueError, match=r"layer_types \['chunked_attention'\] are not supported"):
+        _config({**mistral, "layer_types": ["chunked_attention"] * 2})
     qwen = tiny_config(VOCAB, layers=2).to_hf()
     with pytest.raises(ValueError, match="layer_types has sliding_attention layers but use_sliding_window is false"):
         _config({**qwen, "layer_types": ["sliding_attention"] * 2})
+    # a window in some layers only where transformers' class has none per layer
+    with pytest.raises(ValueError, match="window_layers .* are only expressible for"):
+        tiny_config(VOCAB, arch="phi3", layers=2, sliding_window=8, window_layers=(1,))
 
 
 @pytest.mark.parametrize("model_type", sorted(HF_CLASS_DEFAULTS))

@@ -287,11 +287,8 @@ def test_config_validation_errors():
     assert read["factor"] == 2.0 and read["original_max_position_embeddings"] == 64
     with pytest.raises(ValueError, match="hidden_act"):
         ModelConfig.from_hf(tiny_config(VOCAB).to_hf() | {"hidden_act": "gelu"})
-    with pytest.raises(ValueError, match=r"sliding-window attention on layers \[1\] only \(of 2\)"):
-        ModelConfig.from_hf(
-            tiny_config(VOCAB, layers=2).to_hf()
-            | {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}
-        )
+    with pytest.raises(ValueError, match="sliding_window is only supported for .*, not LlamaForCausalLM"):
+        tiny_config(VOCAB, arch="llama", sliding_window=16)
 
 
 def test_init_model_dir_fixture_loads(tiny_model_dir, char_tokenizer):

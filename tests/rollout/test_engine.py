@@ -378,9 +378,11 @@ def test_context_limit_finishes_with_length(tiny):
     assert len(out.output_ids) == 4 and out.finish_reason == "length"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "olmo2", "phi3", "smollm3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "olmo2", "olmo3", "phi3", "smollm3"])
 def test_other_families(arch):
-    kw = {"sliding_window": 6} if arch in ("mistral", "phi3") else {"nope_layers": (1,)} if arch == "smollm3" else {}
+    # olmo3: a window in layer 0 only (its own attention metadata beside layer 1's full one)
+    windowed = ("mistral", "phi3", "olmo3")
+    kw = {"sliding_window": 6} if arch in windowed else {"nope_layers": (1,)} if arch == "smollm3" else {}
     model, cfg = make_model(0, arch=arch, **kw)
     prompts = random_prompts(3, seed=15, lo=6, hi=14)
     outs = engine((model, cfg)).generate(prompts, GREEDY)

@@ -71,11 +71,13 @@ def test_padding_buckets():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen2", "olmo3"])  # olmo3: a 6-key window in layer 0, layer 1 in full
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graphs_match_eager_on_gpu(dtype):
+def test_cuda_graphs_match_eager_on_gpu(dtype, arch):
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 
-    model, cfg = make_model(0)
+    kw = {"arch": arch, "sliding_window": 6} if arch == "olmo3" else {}
+    model, cfg = make_model(0, **kw)
     model = model.to(device="cuda", dtype=dtype)
     prompts = random_prompts(11, seed=40)
     params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
@@ -98,7 +100,7 @@ def test_cuda_graphs_match_eager_on_gpu(dtype):
         assert [o.output_ids for o in outs[False]] == [o.output_ids for o in one_step]
     assert [o.output_ids for o in outs[(True, "seeded")]] == [o.output_ids for o in outs[(False, "seeded")]]
     if dtype == torch.float32:
-        cpu_model, _ = make_model(0)
+        cpu_model, _ = make_model(0, **kw)
         for p, o in zip(prompts, outs[True]):
             assert o.output_ids == naive_greedy(cpu_model, p, 20)[0]
 

@@ -100,9 +100,9 @@ def test_multistep_seeded_sampling_independent_of_batch_and_k(tiny):
     assert alone.output_logprobs == pytest.approx(mixed.output_logprobs, abs=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "olmo3"])
 def test_multistep_preemption_prefix_sharing_and_families(arch):
-    kw = {"sliding_window": 6} if arch == "mistral" else {}
+    kw = {"sliding_window": 6} if arch in ("mistral", "olmo3") else {}  # olmo3: in layer 0 only
     model, cfg = make_model(0, arch=arch, **kw)
     base = random_prompts(1, seed=3, lo=10, hi=11)[0]
     prompts = [base] * 3 + random_prompts(5, seed=4, lo=8, hi=16)

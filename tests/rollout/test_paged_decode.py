@@ -140,9 +140,9 @@ def test_auto_resolves_per_device():
     assert eng.config.decode_attention == "gather"  # CPU
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "olmo3"])
 def test_engine_greedy_paged_equals_gather(arch):
-    kw = {"sliding_window": 6} if arch == "mistral" else {}
+    kw = {"sliding_window": 6} if arch in ("mistral", "olmo3") else {}  # olmo3: in layer 0 only
     model, cfg = make_model(0, arch=arch, **kw)
     prompts = random_prompts(7, seed=51, lo=2, hi=20)
     params = SamplingParams(temperature=0, max_new_tokens=14, ignore_eos=True)

@@ -152,11 +152,12 @@ def test_prefill_graph_runner_refuses_what_flash_cannot_serve():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen2", "olmo3"])  # olmo3: a 6-key window in layer 0, layer 1 in full
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_prefill_graphs_match_eager_on_gpu(dtype):
+def test_prefill_graphs_match_eager_on_gpu(dtype, arch):
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 
-    model, cfg = make_model(0)
+    model, cfg = make_model(0, **({"arch": arch, "sliding_window": 6} if arch == "olmo3" else {}))
     model = model.to(device="cuda", dtype=dtype)
     prompts = [p for p in random_prompts(6, seed=65, lo=3, hi=40) for _ in range(4)]
     outs, stats = {}, {}
