@@ -19,6 +19,12 @@ Supported architectures (``architectures[0]`` in ``config.json``) and what sets 
   (``nope_layers``, from config.json's ``no_rope_layers``).
 - ``Olmo2ForCausalLM``   RMSNorm over the whole q and k projections (``qk_norm_scope="projection"``) and
   each block's norm on its output, before the residual add (``norm_layout="post"``); optional q/k/v/o bias.
+- ``Olmo3ForCausalLM``   OLMo 2's layers with a sliding window in some layers (``window_layers``) and a RoPE
+  per layer type (``window_rope``: the long-context scaling on the full-attention layers only).
+- ``Gemma3ForCausalLM``  (Gemma 3's text model) norms before and after each block (``norm_layout="sandwich"``)
+  whose weights are offsets from 1 (``norm_weight_offset``), Qwen3's q/k norms, embeddings scaled by
+  sqrt(hidden_size), the tanh GELU, ``query_pre_attn_scalar``, windows in five layers of six with their
+  own RoPE base; logit soft-capping and bidirectional attention are refused.
 
 Both the legacy ``rope_theta``/``rope_scaling`` keys and the ``rope_parameters`` dict of
 transformers 5 are read; ``to_hf`` writes the legacy keys, which every transformers version and
@@ -43,6 +49,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
+    "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
 }
@@ -68,11 +75,16 @@ LAYER_TYPE_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "Olmo3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 """The layouts whose transformers class reads a window per layer (``layer_types``, or Qwen's
 ``use_sliding_window`` + ``max_window_layers``)."""
 OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 """OLMo 2's layout (q/k norms over the projections, norms after each block); OLMo 3 adds windows."""
+GEMMA3 = "Gemma3ForCausalLM"
+ROPE_PER_TYPE_ARCHITECTURES = ("Olmo3ForCausalLM", GEMMA3)
+"""The layouts whose transformers class turns the window layers by their own RoPE (``rope_parameters``
+per layer type)."""
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
@@ -121,7 +133,18 @@ class ModelConfig:
     norm_layout: str = "pre"
     """``pre``: each block reads a normed input (``input_layernorm``, ``post_attention_layernorm``: Llama);
     ``post``: each block's output is normed before its residual add (``post_attention_layernorm``,
-    ``post_feedforward_layernorm``; the weight applied in float32: OLMo 2)."""
+    ``post_feedforward_layernorm``; the weight applied in float32: OLMo 2); ``sandwich``: both
+    (``input_layernorm`` and ``post_attention_layernorm`` around attention, ``pre_feedforward_layernorm`` and
+    ``post_feedforward_layernorm`` around the MLP; in float32: Gemma 3)."""
+    norm_weight_offset: float = 0.0
+    """What every RMSNorm adds to its weight (Gemma 3: 1, its weights stored as offsets from 1 and
+    initialised to 0)."""
+    hidden_act: str = "silu"
+    """The MLP's gate activation: ``silu`` (SwiGLU), or ``gelu_pytorch_tanh`` (Gemma 3's GeGLU)."""
+    scale_embeddings: bool = False
+    """Multiply the token embeddings by sqrt(hidden_size), rounded to their dtype (Gemma 3)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by this to the -1/2 (Gemma 3); None: by head_dim to the -1/2."""
     nope_layers: tuple[int, ...] = ()
     """Layers that apply no RoPE to q and k (SmolLM3's ``no_rope_layers`` entries of 0)."""
     sliding_window: int | None = None
@@ -218,9 +241,22 @@ class ModelConfig:
     def _check_arch_flags(self) -> None:
         """Only flag combinations that transformers' class for ``architecture`` can express."""
         arch = self.architecture
-        if self.qk_norm != (arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *OLMO_ARCHITECTURES)):
-            raise ValueError(f"qk_norm={self.qk_norm} is impossible for {arch} (only Qwen3 and OLMo have q/k norms)")
-        scope, layout = ("projection", "post") if arch in OLMO_ARCHITECTURES else ("head", "pre")
+        if self.qk_norm != (arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *OLMO_ARCHITECTURES, GEMMA3)):
+            raise ValueError(
+                f"qk_norm={self.qk_norm} is impossible for {arch} (only Qwen3, OLMo and Gemma 3 have q/k norms)"
+            )
+        gemma = (1.0, "gelu_pytorch_tanh", True) if arch == GEMMA3 else (0.0, "silu", False)
+        if (self.norm_weight_offset, self.hidden_act, self.scale_embeddings) != gemma:
+            raise ValueError(
+                f"{arch} has norm_weight_offset={gemma[0]}, hidden_act={gemma[1]!r} and scale_embeddings={gemma[2]}, "
+                f"not {self.norm_weight_offset}, {self.hidden_act!r} and {self.scale_embeddings}"
+            )
+        if self.query_pre_attn_scalar is not None and (arch != GEMMA3 or self.query_pre_attn_scalar <= 0):
+            raise ValueError(
+                f"query_pre_attn_scalar={self.query_pre_attn_scalar} is only expressible (> 0) for {GEMMA3}"
+            )
+        layouts = {**dict.fromkeys(OLMO_ARCHITECTURES, ("projection", "post")), GEMMA3: ("head", "sandwich")}
+        scope, layout = layouts.get(arch, ("head", "pre"))
         if (self.qk_norm_scope, self.norm_layout) != (scope, layout):
             raise ValueError(
                 f"{arch} has qk_norm_scope={scope!r} and norm_layout={layout!r}, "
@@ -240,6 +276,7 @@ class ModelConfig:
                 "Qwen3MoeForCausalLM",
                 *OLMO_ARCHITECTURES,
                 "SmolLM3ForCausalLM",
+                GEMMA3,
             )
             and self.attention_bias != self.attention_out_bias
         ):
@@ -281,10 +318,11 @@ class ModelConfig:
             object.__setattr__(self, "window_layers", None if len(layers) == self.num_hidden_layers else layers)
         if self.window_rope is None:
             return
-        if self.window_layers is None or self.architecture != "Olmo3ForCausalLM":
+        if self.window_layers is None or self.architecture not in ROPE_PER_TYPE_ARCHITECTURES:
             raise ValueError(
                 "ModelConfig.window_rope (another RoPE in the window layers) is only expressible for "
-                f"Olmo3ForCausalLM with window_layers, not {self.architecture} with window_layers={self.window_layers}"
+                f"{', '.join(ROPE_PER_TYPE_ARCHITECTURES)} with window_layers, not {self.architecture} with "
+                f"window_layers={self.window_layers}"
             )
         rope = dict(self.window_rope)
         unknown = sorted(set(rope) - {"rope_theta", "rope_scaling"})
@@ -382,7 +420,7 @@ class ModelConfig:
         mlp = 3 * d * inter + ((2 * inter + d) if self.mlp_bias else 0)
         moe = self.num_experts * (3 * d * self.moe_intermediate_size + d)  # experts + router row
         sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
-        layer = attn + 2 * d
+        layer = attn + (4 if self.norm_layout == "sandwich" else 2) * d
         total = self.vocab_size * d + self.num_hidden_layers * layer + d
         total += sparse * moe + (self.num_hidden_layers - sparse) * mlp
         if not self.tie_word_embeddings:
@@ -421,9 +459,12 @@ class ModelConfig:
             d, vision, mrope_section = _flatten_vl(d)
         else:
             d = _with_hf_defaults(expected_type, d)
-        act = d.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):  # transformers' swish is SiLU
-            raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
+        if arch == GEMMA3:
+            _check_gemma3(d)
+        else:
+            act = d.get("hidden_act", "silu")
+            if act not in ("silu", "swish"):  # transformers' swish is SiLU
+                raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
         sliding_window, window_layers = _sliding_window(arch, d)
         rope_theta, rope_scaling, window_rope = _read_layer_ropes(arch, d, sliding_window, window_layers)
         heads = d["num_attention_heads"]
@@ -452,9 +493,10 @@ class ModelConfig:
             attention_out_bias=out_bias,
             mlp_bias=bool(d.get("mlp_bias", False)) if arch in ("LlamaForCausalLM", "SmolLM3ForCausalLM") else False,
             nope_layers=_nope_layers(arch, d),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *OLMO_ARCHITECTURES),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *OLMO_ARCHITECTURES, GEMMA3),
             qk_norm_scope="projection" if arch in OLMO_ARCHITECTURES else "head",
-            norm_layout="post" if arch in OLMO_ARCHITECTURES else "pre",
+            norm_layout="post" if arch in OLMO_ARCHITECTURES else "sandwich" if arch == GEMMA3 else "pre",
+            **(_gemma3_fields(d) if arch == GEMMA3 else {}),
             sliding_window=sliding_window,
             window_layers=window_layers,
             window_rope=window_rope,
@@ -499,6 +541,7 @@ class ModelConfig:
             "Qwen3MoeForCausalLM",
             *OLMO_ARCHITECTURES,
             "SmolLM3ForCausalLM",
+            GEMMA3,
         ):
             d["attention_bias"] = self.attention_bias
         if self.architecture in ("LlamaForCausalLM", "SmolLM3ForCausalLM"):
@@ -513,15 +556,27 @@ class ModelConfig:
             if self.architecture != "Qwen3MoeForCausalLM":
                 # every layer from the first windowed one slides, as transformers reads it; layer_types says so too
                 d["max_window_layers"] = min(self.window_layers or (0,)) if self.sliding_window else 0
-        if self.architecture in WINDOWED_ARCHITECTURES or self.architecture == "Olmo3ForCausalLM":
+        if self.architecture in WINDOWED_ARCHITECTURES + ROPE_PER_TYPE_ARCHITECTURES:
             d["sliding_window"] = self.sliding_window
-        if self.architecture in LAYER_TYPE_ARCHITECTURES and (self.window_layers or self.model_type == "olmo3"):
+        if self.architecture in LAYER_TYPE_ARCHITECTURES and (
+            self.window_layers or self.architecture in ROPE_PER_TYPE_ARCHITECTURES
+        ):
             d["layer_types"] = [
                 "full_attention" if self.layer_window(i) is None else "sliding_attention"
                 for i in range(self.num_hidden_layers)
             ]
-        if self.architecture == "Olmo3ForCausalLM":
-            d.update(_olmo3_rope_parameters(self))
+        if self.architecture in ROPE_PER_TYPE_ARCHITECTURES:
+            d.update(_rope_per_type(self))
+        if self.architecture == GEMMA3:
+            d.pop("hidden_act")
+            d.update(
+                hidden_activation=self.hidden_act,
+                query_pre_attn_scalar=_int_if_whole(self.query_pre_attn_scalar),
+                final_logit_softcapping=None,
+                attn_logit_softcapping=None,
+                use_bidirectional_attention=False,
+                rope_local_base_freq=(self.window_rope_config() or self).rope_theta,
+            )
         if self.architecture == "Qwen3MoeForCausalLM":
             d.update(
                 num_experts=self.num_experts,
@@ -549,9 +604,9 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _olmo3_rope_parameters(config: ModelConfig) -> dict[str, Any]:
-    """OLMo 3's RoPE keys: ``rope_parameters`` per layer type (transformers 5), beside the full layers'
-    theta and scaling in the legacy keys (which transformers 5 applies to those layers only)."""
+def _rope_per_type(config: ModelConfig) -> dict[str, Any]:
+    """OLMo 3's and Gemma 3's RoPE keys: ``rope_parameters`` per layer type (transformers 5), beside the
+    full layers' theta and scaling in the legacy keys (which transformers 5 applies to those layers only)."""
     window = config.window_rope_config() or config
 
     def params(c: ModelConfig) -> dict[str, Any]:
@@ -636,6 +691,10 @@ HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
               "rope_theta": 1e4},
     "olmo3": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "attention_bias": False,
               "sliding_window": 4096, "rope_theta": 5e5},
+    "gemma3_text": {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "initializer_range": 0.02, "head_dim": 256,
+                    "num_key_value_heads": 4, "max_position_embeddings": 131072, "attention_bias": False,
+                    "sliding_window": 4096, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+                    "rope_theta": 1e6},
     "phi3": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "sliding_window": None,
              "rope_theta": 1e4},
     "smollm3": {**_COMMON, "tie_word_embeddings": True, "max_position_embeddings": 32768, "attention_bias": False,
@@ -684,14 +743,15 @@ def _sliding_window(arch: str, d: dict[str, Any]) -> tuple[int | None, tuple[int
             return window, None
     elif arch in ("LlamaForCausalLM", "Olmo2ForCausalLM"):
         return None, None  # transformers gives them no window
-    elif arch == "Olmo3ForCausalLM":
+    elif arch in ROPE_PER_TYPE_ARCHITECTURES:
         window = d.get("sliding_window")
-        if types is None:  # Olmo3Config's default: every fourth layer full
-            types = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
+        if types is None:  # the config classes' default: every fourth (OLMo 3) or sixth (Gemma 3) layer full
+            every = d.get("sliding_window_pattern", 6) if arch == GEMMA3 else 4
+            types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
         if window is None and "sliding_attention" in types:  # such layers would still take their own RoPE
             raise ValueError(
-                "config.json: OLMo 3 with sliding_attention layers and sliding_window null: set sliding_window "
-                "(Olmo3Config's default is 4096) or make every layer full_attention"
+                f"config.json: {arch} with sliding_attention layers and sliding_window null: set sliding_window "
+                "(its config class's default is 4096) or make every layer full_attention"
             )
     else:  # the Qwen family: windows only with use_sliding_window, from layer max_window_layers on
         window = d.get("sliding_window") if d.get("use_sliding_window") else None
@@ -726,6 +786,8 @@ def _nope_layers(arch: str, d: dict[str, Any]) -> tuple[int, ...]:
     return tuple(i for i, use_rope in enumerate(flags) if not use_rope)
 
 
+GEMMA3_LOCAL_THETA = 10000.0
+"""Gemma3TextConfig's RoPE base of its sliding-window layers (``rope_local_base_freq``) where a file gives none."""
 OLMO3_THETA = 500000.0
 """Olmo3Config's RoPE theta, which transformers 5 gives its sliding-window layers where a file has legacy keys."""
 
@@ -739,10 +801,10 @@ def _read_layer_ropes(
     layers only."""
     params = d.get("rope_parameters")
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
-        if arch != "Olmo3ForCausalLM":
+        if arch not in ROPE_PER_TYPE_ARCHITECTURES:
             raise ValueError(
                 f"config.json rope_parameters per layer type ({sorted(params)}) are not read by {arch}'s class in "
-                "transformers (OLMo 3's is): give one RoPE (rope_theta, rope_scaling)"
+                "transformers (OLMo 3's and Gemma 3's are): give one RoPE (rope_theta, rope_scaling)"
             )
         unknown = sorted(set(params) - {"full_attention", "sliding_attention"})
         if unknown:
@@ -753,7 +815,11 @@ def _read_layer_ropes(
         full, sliding = params.get("full_attention") or {}, params.get("sliding_attention") or {}
         theta, scaling = _read_rope({**d, "rope_parameters": full})
         window = {"max_position_embeddings": d.get("max_position_embeddings", 2048), "rope_parameters": sliding}
-        window_theta, window_scaling = _read_rope({"rope_theta": sliding.get("rope_theta", theta), **window})
+        local = d.get("rope_local_base_freq", GEMMA3_LOCAL_THETA) if arch == GEMMA3 else theta
+        window_theta, window_scaling = _read_rope({"rope_theta": sliding.get("rope_theta", local), **window})
+    elif arch == GEMMA3:  # legacy keys: the window layers turn at rope_local_base_freq, unscaled
+        theta, scaling = _read_rope(d)
+        window_theta, window_scaling = float(d.get("rope_local_base_freq", GEMMA3_LOCAL_THETA)), None
     else:
         theta, scaling = _read_rope(d)
         if arch != "Olmo3ForCausalLM":
@@ -770,6 +836,33 @@ def _read_layer_ropes(
     if window_layers is None:  # every layer slides
         return window_theta, window_scaling, None
     return theta, scaling, {"rope_theta": window_theta, "rope_scaling": window_scaling}
+
+
+def _int_if_whole(x: float | None) -> float | int | None:
+    """``x`` as an int where it is whole (transformers 5's strict config fields type some numbers int)."""
+    return int(x) if isinstance(x, float) and x.is_integer() else x
+
+
+def _check_gemma3(d: dict[str, Any]) -> None:
+    """What Gemma 3's config.json may set that areno does not compute, refused by name."""
+    act = d.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"config.json hidden_activation={act!r} is not supported for Gemma 3 (gelu_pytorch_tanh)")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if d.get(key) is not None:
+            raise ValueError(f"config.json {key}={d[key]} is not supported (Gemma 2's soft-capping): set it to null")
+    if d.get("use_bidirectional_attention"):
+        raise ValueError("config.json use_bidirectional_attention=true (an encoder) is not supported: areno is causal")
+
+
+def _gemma3_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's ModelConfig fields beside the shared ones."""
+    return dict(
+        norm_weight_offset=1.0,
+        hidden_act="gelu_pytorch_tanh",
+        scale_embeddings=True,
+        query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+    )
 
 
 def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

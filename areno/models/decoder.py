@@ -36,7 +36,7 @@ from areno.models.attention import (
     varlen_available,
 )
 from areno.models.config import ModelConfig
-from areno.models.eager_ops import eager_rms_norm, eager_rms_norm_fp32_scale, eager_rope
+from areno.models.eager_ops import eager_rms_norm, eager_rms_norm_fp32_scale, eager_rms_norm_offset, eager_rope
 from areno.models.prefix_sharing import SharedPrefixAttention
 from areno.models.tp_plan import TPReduce, check_tp_size
 
@@ -177,13 +177,17 @@ class RMSNorm(nn.Module):
     """RMSNorm computed in float32, output cast back, then scaled (transformers' Llama order); with
     ``scale_in_float32`` scaled in float32 and cast once, to x's dtype (OLMo 2's order)."""
 
-    def __init__(self, dim: int, eps: float, *, scale_in_float32: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, *, scale_in_float32: bool = False, offset: float = 0.0) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
         self.eps = eps
         self.scale_in_float32 = scale_in_float32
+        self.offset = offset
+        """Added to the weight (Gemma 3's are offsets from 1); such a norm runs in float32, eagerly."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            return eager_rms_norm_offset(x, self.weight, self.eps, self.offset)
         if fused_ops.active(x):
             return fused_ops.rms_norm(x, self.weight, self.eps, scale_in_float32=self.scale_in_float32)
         if cpu_train_ops.applies(x) and not (self.scale_in_float32 and x.dtype != torch.float32):
@@ -218,8 +222,12 @@ class Attention(nn.Module):
         if config.qk_norm:
             fp32 = config.norm_layout == "post"  # OLMo 2's norms all scale in float32
             q_width, k_width = (dh, dh) if self.qk_norm_heads else (self.num_heads * dh, self.num_kv_heads * dh)
-            self.q_norm = RMSNorm(q_width, config.rms_norm_eps, scale_in_float32=fp32)
-            self.k_norm = RMSNorm(k_width, config.rms_norm_eps, scale_in_float32=fp32)
+            offset = config.norm_weight_offset
+            self.q_norm = RMSNorm(q_width, config.rms_norm_eps, scale_in_float32=fp32, offset=offset)
+            self.k_norm = RMSNorm(k_width, config.rms_norm_eps, scale_in_float32=fp32, offset=offset)
+        scalar = config.query_pre_attn_scalar
+        # the backends scale scores by head_dim^-1/2; Gemma 3 by query_pre_attn_scalar^-1/2: q takes the ratio
+        self.q_scale = 1.0 if scalar is None else math.sqrt(dh / scalar)
         self.qkv: fused_linear.FusedRows | None = None
         """Set by ``Decoder.fuse_projections``: q/k/v weights as row slices of one tensor."""
 
@@ -264,6 +272,8 @@ class Attention(nn.Module):
                 k_THD = self.k_norm(k_THD)
             q_THD = apply_rope(q_THD, cos_TF, sin_TF)
             k_THD = apply_rope(k_THD, cos_TF, sin_TF)
+        if self.q_scale != 1.0:
+            q_THD = q_THD * self.q_scale
         out_THD = attn(self.layer_idx, *_in_autocast_dtype(q_THD, k_THD, v_THD))
         return inference.rowwise(self.o_proj, out_THD.reshape(T, -1), self.tp_reduce)
 
@@ -294,8 +304,16 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, d, bias=b)
         self.gate_up: fused_linear.FusedRows | None = None
         """Set by ``Decoder.fuse_projections``: gate/up weights as the two halves of one tensor."""
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
+        """Gemma 3's GeGLU: the tanh GELU in place of SiLU (eager: the fused kernels are SiLU's)."""
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        if self.gelu:
+            if self.gate_up is not None and self.gate_up.usable():
+                gate_TI, up_TI = self.gate_up.split(self.gate_up(x_TD))
+            else:
+                gate_TI, up_TI = inference.linear(self.gate_proj, x_TD), inference.linear(self.up_proj, x_TD)
+            return inference.rowwise(self.down_proj, F.gelu(gate_TI, approximate="tanh") * up_TI, self.tp_reduce)
         if self.gate_up is not None and self.gate_up.usable():
             gate_up_TN = self.gate_up(x_TD)  # one GEMM: [T, 2I], gate then up
             if fused_ops.active(x_TD):
@@ -313,7 +331,7 @@ class MLP(nn.Module):
         """This MLP's output as fp32 partials [P, T, D] of its down projection (``decode_mlp``, a CUDA
         decode step's few rows), for the residual add + RMSNorm to sum; None where those kernels do
         not serve (the caller then runs ``forward``)."""
-        if self.tp_reduce is not None or self.gate_up is None or not decode_mlp.active(x_TD):
+        if self.tp_reduce is not None or self.gate_up is None or self.gelu or not decode_mlp.active(x_TD):
             return None
         return decode_mlp.partials(x_TD, self.gate_up, self.down_proj) if self.gate_up.usable() else None
 
@@ -327,9 +345,13 @@ class DecoderLayer(nn.Module):
         self.mlp = (
             moe.SparseMoE(config, layer_idx) if config.is_moe_layer(layer_idx) else MLP(config, tp_size, tp_reduce)
         )
-        d, eps = config.hidden_size, config.rms_norm_eps
-        self.post_norms = config.norm_layout == "post"
-        if self.post_norms:  # OLMo 2: each block's output normed before its residual add
+        d, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_weight_offset
+        self.layout = config.norm_layout
+        self.post_norms = self.layout == "post"
+        if self.layout == "sandwich":  # Gemma 3: a norm before and after each block
+            for name in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
+                setattr(self, f"{name}_layernorm", RMSNorm(d, eps, offset=offset))
+        elif self.post_norms:  # OLMo 2: each block's output normed before its residual add
             self.post_attention_layernorm = RMSNorm(d, eps, scale_in_float32=True)
             self.post_feedforward_layernorm = RMSNorm(d, eps, scale_in_float32=True)
         else:
@@ -339,6 +361,10 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x_TD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
+        if self.layout == "sandwich":
+            attended_TD = self.self_attn(self.input_layernorm(x_TD), cos_TF, sin_TF, attn)
+            x_TD = x_TD + self.post_attention_layernorm(attended_TD)
+            return x_TD + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x_TD)))
         if self.post_norms:
             x_TD = x_TD + self.post_attention_layernorm(self.self_attn(x_TD, cos_TF, sin_TF, attn))
             return x_TD + self.post_feedforward_layernorm(self.mlp(x_TD))
@@ -358,7 +384,12 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, tp_size, tp_reduce) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_float32=config.norm_layout == "post")
+        self.norm = RMSNorm(
+            config.hidden_size,
+            config.rms_norm_eps,
+            scale_in_float32=config.norm_layout == "post",
+            offset=config.norm_weight_offset,
+        )
 
 
 class Decoder(nn.Module):
@@ -416,7 +447,7 @@ class Decoder(nn.Module):
             elif isinstance(module, nn.Embedding):
                 module.weight.normal_(0.0, std)
             elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+                module.weight.fill_(1.0 - module.offset)  # a scale of 1 (Gemma 3's weights: offsets from 1)
             elif isinstance(module, moe.SparseMoE):
                 module.reset_parameters(std)
         pad = self.config.pad_token_id
@@ -487,6 +518,9 @@ class Decoder(nn.Module):
             cu_seqlens_B1 = torch.tensor([0, input_ids_T.numel()], dtype=torch.long)
             attn = PackedCausalAttention.for_model(cu_seqlens_B1, self.config)
         x_TD = self.model.embed_tokens(input_ids_T)
+        if self.config.scale_embeddings:  # Gemma 3: by sqrt(hidden_size) rounded to the embeddings' dtype
+            scale = torch.tensor(math.sqrt(self.config.hidden_size), dtype=self.model.embed_tokens.weight.dtype)
+            x_TD = x_TD * scale.item()
         if isinstance(attn, (PackedCausalAttention, SharedPrefixAttention)):
             self.prepare_attention(attn, x_TD)
         cos_TF, sin_TF = self.rope_at(position_ids_T, x_TD.device, x_TD.dtype)

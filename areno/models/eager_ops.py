@@ -27,3 +27,10 @@ def eager_rms_norm_fp32_scale(x: torch.Tensor, weight: torch.Tensor, eps: float)
     """RMSNorm computed and scaled in float32, cast once to x's dtype (transformers' OLMo 2 order)."""
     x32 = x.float()
     return (weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def eager_rms_norm_offset(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    """RMSNorm computed in float32 and scaled by ``offset + weight`` in float32, cast once to x's dtype
+    (transformers' Gemma 3 order, whose weights are offsets from 1)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight.float())).to(x.dtype)

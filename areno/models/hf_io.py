@@ -43,6 +43,7 @@ _TINY_ARCHS = {
     "mixtral": "MixtralForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
 }
@@ -459,7 +460,8 @@ def tiny_config(
 ) -> ModelConfig:
     """A small ``ModelConfig`` of the given family for tests and demos.
 
-    ``arch``: llama, qwen2, qwen3, mistral, olmo2, olmo3 (a 16-token window in every layer but the last), phi3,
+    ``arch``: llama, qwen2, qwen3, mistral, olmo2, olmo3 or gemma3 (a 16-token window in every layer but the
+    last; gemma3's turning at base 1,000 there), phi3,
     smollm3 (no RoPE in layers 3, 7, ...), qwen3_moe or
     mixtral (4 experts, top-2, each half the
     dense MLP's width). ``kw`` overrides any other ModelConfig field
@@ -484,17 +486,22 @@ def tiny_config(
         max_position_embeddings=2048,
         attention_bias=qkv_bias,
         attention_out_bias=False,
-        qk_norm=arch in ("qwen3", "qwen3_moe", "olmo2", "olmo3"),
+        qk_norm=arch in ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3"),
         qk_norm_scope="projection" if arch in ("olmo2", "olmo3") else "head",
-        norm_layout="post" if arch in ("olmo2", "olmo3") else "pre",
+        norm_layout="post" if arch in ("olmo2", "olmo3") else "sandwich" if arch == "gemma3" else "pre",
         architecture=architecture,
         model_type=SUPPORTED_ARCHITECTURES[architecture],
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
     )
-    if arch == "olmo3":  # a short window, in every layer but the last (OLMo 3: three of every four)
+    if arch in ("olmo3", "gemma3"):  # a short window, in every layer but the last (OLMo 3: three of four)
         fields.update(sliding_window=16, window_layers=tuple(range(layers - 1)) if layers > 1 else None)
+    if arch == "gemma3":  # its window layers turn at another base, as Gemma 3's local layers do
+        fields.update(norm_weight_offset=1.0, hidden_act="gelu_pytorch_tanh", scale_embeddings=True)
+        fields.update(query_pre_attn_scalar=float(hidden_size // heads), tie_word_embeddings=True)
+        if layers > 1:
+            fields["window_rope"] = {"rope_theta": 1000.0}
     if arch == "smollm3":
         fields["nope_layers"] = tuple(i for i in range(layers) if (i + 1) % 4 == 0)
     if arch in ("qwen3_moe", "mixtral"):
