@@ -92,6 +92,33 @@ PHI3_MINI = {
     "torch_dtype": "bfloat16",
 }
 
+# Gemma 3 1B's shape (norms around each block, GeGLU, a 512-token window in five layers of six with their own
+# RoPE base; a tied 262k vocabulary)
+GEMMA3_1B = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "vocab_size": 262144,
+    "max_position_embeddings": 32768,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+    "torch_dtype": "bfloat16",
+}
+
 COMMIT_ENV = "ARENO_COMMIT"
 """Overrides the commit read from git: a run from an exported tree (``git archive``, no ``.git``)
 sets it to the commit it exported."""

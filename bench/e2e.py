@@ -83,12 +83,13 @@ from areno.models.hf_io import init_model_dir
 from areno.observe.profile import profiled_step
 from areno.types import SamplingParams
 from areno.workflows.rlvr import RLVRWorkflow
-from bench._common import OLMO2_1B, QWEN25_05B, QWEN25_15B, emit, headline, keep_work_dir, parser, work_dir
+from bench._common import GEMMA3_1B, OLMO2_1B, QWEN25_05B, QWEN25_15B, emit, headline, keep_work_dir, parser, work_dir
 
 # e2e's configs carry no bos/eos token ids: the completion length stays fixed for both systems
 E2E_05B = {k: v for k, v in QWEN25_05B.items() if k not in ("bos_token_id", "eos_token_id")}
 E2E_15B = {k: v for k, v in QWEN25_15B.items() if k not in ("bos_token_id", "eos_token_id")}
 E2E_OLMO2_1B = {k: v for k, v in OLMO2_1B.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
+E2E_GEMMA3_1B = {k: v for k, v in GEMMA3_1B.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
 TINY = {
     **E2E_05B,
     "hidden_size": 64,
@@ -114,15 +115,31 @@ CPU12M = {
 CPU5M = {**CPU12M, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4}
 # the same size in OLMo 2's layout (q/k norms over the projections, post-block norms)
 CPU5M_OLMO2 = {**CPU5M, "architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "attention_bias": False}
+# and in Gemma 3's (norms around each block, GeGLU, a 64-token window in three layers of four at their own base)
+CPU5M_GEMMA3 = {
+    **{k: v for k, v in CPU5M.items() if k != "hidden_act"},
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "head_dim": 64,
+    "query_pre_attn_scalar": 64,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "sliding_window": 64,
+    "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "tie_word_embeddings": True,
+}
 # shape -> (HF config dict, default prompt length, default completion length)
 SHAPES = {
     "0.5b": (E2E_05B, 64, 512),
     "1.5b": (E2E_15B, 64, 512),
     "olmo2-1b": (E2E_OLMO2_1B, 64, 512),
+    "gemma3-1b": (E2E_GEMMA3_1B, 64, 512),
     "tiny": (TINY, 16, 32),
     "cpu12m": (CPU12M, 32, 128),
     "cpu5m": (CPU5M, 34, 128),
     "cpu5m-olmo2": (CPU5M_OLMO2, 34, 128),
+    "cpu5m-gemma3": (CPU5M_GEMMA3, 34, 128),
 }
 SYSTEMS = (
     "areno",
@@ -745,7 +762,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shapes",
         default=None,
-        help="comma list of 0.5b,1.5b,olmo2-1b,tiny,cpu12m,cpu5m,cpu5m-olmo2 (default: 0.5b,1.5b on CUDA, tiny on CPU)",
+        help="comma list of 0.5b,1.5b,olmo2-1b,gemma3-1b,tiny,cpu12m,cpu5m,cpu5m-olmo2,cpu5m-gemma3 (default: 0.5b,1.5b on CUDA, tiny on CPU)",
     )
     p.add_argument("--systems", default="areno,areno_async,trl", help=f"comma list of {','.join(SYSTEMS)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system")

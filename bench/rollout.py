@@ -62,7 +62,7 @@ from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.types import SamplingParams
-from bench._common import OLMO2_1B, PHI3_MINI, QWEN25_05B, QWEN25_15B, emit, headline, parser, profile_cuda
+from bench._common import GEMMA3_1B, OLMO2_1B, PHI3_MINI, QWEN25_05B, QWEN25_15B, emit, headline, parser, profile_cuda
 
 # Qwen2.5-0.5B's config.json (shape only; weights are random).
 # ~20M parameters: 8 layers of width 256 and a 32k vocabulary (untied).
@@ -99,6 +99,7 @@ SHAPES = {
     "qwen1.5b": (QWEN25_15B, 64, 512),
     "olmo2-1b": (OLMO2_1B, 64, 512),
     "phi3-mini": (PHI3_MINI, 64, 512),
+    "gemma3-1b": (GEMMA3_1B, 64, 512),
     "tiny": (TINY, 4, 8),
 }
 

@@ -615,8 +615,16 @@ def _rope_per_type(config: ModelConfig) -> dict[str, Any]:
     return {"rope_parameters": {"full_attention": params(config), "sliding_attention": params(window)}}
 
 
+_ARCH_HINTS = {
+    "Gemma3ForConditionalGeneration": " (Gemma 3 4B and larger: a vision-language checkpoint; the text-only "
+    "Gemma3ForCausalLM ones, 270M and 1B, load)",
+    "Gemma2ForCausalLM": " (Gemma 2's logit soft-capping is not computed)",
+}
+
+
 def _unknown_arch_message(arch: str) -> str:
-    return f"unsupported model architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    hint = _ARCH_HINTS.get(arch, "")
+    return f"unsupported model architecture {arch!r}{hint}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
 
 
 def _normalized_scaling(rope_scaling: dict[str, Any]) -> dict[str, Any] | None:

@@ -183,13 +183,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.scale_in_float32 = scale_in_float32
         self.offset = offset
-        """Added to the weight (Gemma 3's are offsets from 1); such a norm runs in float32, eagerly."""
+        """Added to the weight (Gemma 3's are offsets from 1); such a norm scales in float32."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_ops.active(x):
+            return fused_ops.rms_norm(
+                x, self.weight, self.eps, scale_in_float32=self.scale_in_float32, offset=self.offset
+            )
         if self.offset:
             return eager_rms_norm_offset(x, self.weight, self.eps, self.offset)
-        if fused_ops.active(x):
-            return fused_ops.rms_norm(x, self.weight, self.eps, scale_in_float32=self.scale_in_float32)
         if cpu_train_ops.applies(x) and not (self.scale_in_float32 and x.dtype != torch.float32):
             out = cpu_train_ops.rms_norm(x, self.weight, self.eps)  # float32 only: both orders agree there
             if out is not None:

@@ -128,7 +128,9 @@ if triton is not None:
             return x.to(dtype).to(tl.float32)
 
     @triton.jit
-    def _rms_norm_kernel(X, W, Y, stride_x, stride_y, D, eps, BLOCK_D: tl.constexpr, SCALE_FP32: tl.constexpr):
+    def _rms_norm_kernel(
+        X, W, Y, stride_x, stride_y, D, eps, BLOCK_D: tl.constexpr, SCALE_FP32: tl.constexpr, OFFSET: tl.constexpr
+    ):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
         mask = cols < D
@@ -138,7 +140,7 @@ if triton is not None:
         if not SCALE_FP32:  # eager (Llama): x32 * rsqrt(...), cast, then scaled; OLMo 2 scales in float32
             xn = _round_to(xn, X.dtype.element_ty)
         w = tl.load(W + cols, mask=mask, other=0.0)
-        y = w.to(tl.float32) * xn  # eager: weight * x (rounded once, to Y's dtype)
+        y = (w.to(tl.float32) + OFFSET) * xn  # eager: weight * x (rounded once, to Y's dtype); Gemma 3: (1 + w)
         tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -301,9 +303,14 @@ if triton is not None:
         tl.store(Y + offs, (act * u).to(Y.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_in_float32: bool = False) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_in_float32: bool = False, offset: float = 0.0
+) -> torch.Tensor:
     """``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`` over the last dim, one kernel; with
-    ``scale_in_float32`` ``(weight * x32 * rsqrt(...)).to(x.dtype)`` (``eager_rms_norm_fp32_scale``)."""
+    ``scale_in_float32`` ``(weight * x32 * rsqrt(...)).to(x.dtype)`` (``eager_rms_norm_fp32_scale``); with an
+    ``offset`` (scaled in float32) ``((offset + weight) * x32 * rsqrt(...)).to(x.dtype)``
+    (``eager_rms_norm_offset``)."""
+    scale_in_float32 = scale_in_float32 or bool(offset)
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
     if x2.stride(-1) != 1:
@@ -321,6 +328,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_in_floa
             eps,
             BLOCK_D=triton.next_power_of_2(D),
             SCALE_FP32=scale_in_float32,
+            OFFSET=float(offset),
         )
     return out.view(*x.shape[:-1], D)
 

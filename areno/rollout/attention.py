@@ -344,16 +344,20 @@ class PagedAttention:
         step (``cache.decode_carry``, ``DecodeCarry``) instead of gathering them again; ``final_keys``:
         the longest row's length limit, which bounds the carried copies. ``slot_B``: the new tokens'
         slots when the caller has them (``fused_loop.decode_slots``). ``window_layers``: the layers the
-        window applies to where only some slide (``LayerWindowAttention``; no carry: the two kinds of
-        layer would extend one carried copy twice a step)."""
+        window applies to where only some slide (``LayerWindowAttention``; both kinds of layer extend their
+        own carried copies of one carry, whose step begins once)."""
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         if sliding_window is not None and window_layers is not None:
-
-            def part(window: int | None) -> PagedAttention:
-                return cls.for_decode(cache, bt_BN, ctx_B, window, kv_slots_BL, decode_attention, slot_B=slot_B)
-
-            return LayerWindowAttention(part(None), part(sliding_window), window_layers)
+            full = cls.for_decode(cache, bt_BN, ctx_B, None, kv_slots_BL, decode_attention, carry, slot_B, final_keys)
+            slots_BL = kv_slots_BL if full.decode is None else full.decode.kv_slots_BL
+            window = cls.for_decode(
+                cache, bt_BN, ctx_B, sliding_window, slots_BL, decode_attention, slot_B=full.slot_mapping_T
+            )
+            if full.decode is not None and full.decode.carry is not None:
+                g, f = window.decode, full.decode
+                g.carry, g.extend, g.pos_B = f.carry, f.extend, f.pos_B
+            return LayerWindowAttention(full, window, window_layers)
         bs = cache.block_size
         N = bt_BN.shape[1]
         if slot_B is None:

@@ -5,11 +5,15 @@ from __future__ import annotations
 import torch
 
 from areno.models import cpu_train_ops, fused_ops
-from areno.models.eager_ops import eager_rms_norm, eager_rms_norm_fp32_scale, eager_rope
+from areno.models.eager_ops import eager_rms_norm, eager_rms_norm_fp32_scale, eager_rms_norm_offset, eager_rope
 
 
-def _eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_in_float32: bool = False):
-    """``fused_ops.rms_norm``'s eager reference, in either order."""
+def _eager_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_in_float32: bool = False, offset: float = 0.0
+):
+    """``fused_ops.rms_norm``'s eager reference, in either order (with Gemma 3's offset weights)."""
+    if offset:
+        return eager_rms_norm_offset(x, weight, eps, offset)
     return (eager_rms_norm_fp32_scale if scale_in_float32 else eager_rms_norm)(x, weight, eps)
 
 

@@ -8,7 +8,7 @@ import torch
 
 from areno.models import Decoder, fused_ops, tiny_config
 from areno.models.attention import PackedCausalAttention
-from areno.models.eager_ops import eager_rms_norm, eager_rope
+from areno.models.eager_ops import eager_rms_norm, eager_rms_norm_offset, eager_rope
 from tests.helpers.fused import emulate_fused_path_on_cpu
 
 
@@ -93,6 +93,10 @@ def test_self_check_and_kernels_match_eager():
         w = torch.randn(1536, device="cuda", dtype=dtype)
         ref = eager_rms_norm(x, w, 1e-6)
         torch.testing.assert_close(fused_ops.rms_norm(x, w, 1e-6), ref, rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
+        # Gemma 3's weights, offsets from 1 added in float32, rounded once
+        ref = eager_rms_norm_offset(x, w, 1e-6, 1.0)
+        got = fused_ops.rms_norm(x, w, 1e-6, offset=1.0)
+        torch.testing.assert_close(got, ref, rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
         r = torch.randn(33, 1536, device="cuda", dtype=dtype)  # the residual add + RMSNorm kernel
         (s, y), (s_ref, y_ref) = fused_ops.add_rms_norm(x, r, w, 1e-6), fused_ops.eager_add_rms_norm(x, r, w, 1e-6)
         assert torch.equal(s, s_ref)

@@ -53,13 +53,17 @@ def drive(eng: RolloutEngine, new_state: dict) -> list:
     return [done[i] for i in ids]
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["keep-kv", "recompute-kv"])
-def test_carry_is_bit_identical_to_gathering_every_step(recompute):
-    model, cfg = make_model(2)
-    new_state = make_model(3)[0].state_dict()
+@pytest.mark.parametrize(
+    ("recompute", "kw"),
+    [(False, {}), (True, {}), (False, {"arch": "gemma3", "sliding_window": 6})],
+    ids=["keep-kv", "recompute-kv", "window-in-layer-0"],  # gemma3: both kinds of layer extend one carry
+)
+def test_carry_is_bit_identical_to_gathering_every_step(recompute, kw):
+    model, cfg = make_model(2, **kw)
+    new_state = make_model(3, **kw)[0].state_dict()
     carried = engine(model, cfg, True, recompute)
     got = drive(carried, new_state)
-    model_b, _ = make_model(2)
+    model_b, _ = make_model(2, **kw)
     ref = drive(engine(model_b, cfg, False, recompute), new_state)
     assert [o.output_ids for o in got] == [o.output_ids for o in ref]
     assert [o.output_versions for o in got] == [o.output_versions for o in ref]
