@@ -116,9 +116,10 @@ def test_self_check_and_kernels_match_eager():
 
 
 @gpu
-def test_decoder_forward_fused_equals_eager():
+@pytest.mark.parametrize("arch", ["qwen2", "olmo2", "olmo3", "gemma3"])  # pre, post and sandwich norms; windows
+def test_decoder_forward_fused_equals_eager(arch):
     torch.manual_seed(0)
-    config = tiny_config(512, hidden_size=256, layers=4, heads=8, kv_heads=2, initializer_range=0.05)
+    config = tiny_config(512, arch=arch, hidden_size=256, layers=4, heads=8, kv_heads=2, initializer_range=0.05)
     model = Decoder(config).cuda().to(torch.bfloat16).eval()
     ids = torch.randint(0, 512, (300,), device="cuda")
     cu = torch.tensor([0, 100, 300])
