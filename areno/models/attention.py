@@ -134,7 +134,7 @@ class PackedCausalAttention:
                 # padded batches where they pad at most as many rows as the batch has; else many short
                 # sequences cost one SDPA call each, so below a few thousand tokens one masked call per
                 # layer is cheaper (the T x T mask stays small)
-                layout = self._padded_layout(device, dtype, query_heads) if self.sliding_window is None else None
+                layout = self._padded_layout(device, dtype, query_heads)
                 if layout is not None and sum(b.num_seqs * b.len_q for b in layout.buckets) <= 2 * num_tokens:
                     impl = "sdpa_padded"
                 else:
@@ -149,8 +149,6 @@ class PackedCausalAttention:
         elif impl == "sdpa_mask":
             self._state = self._sdpa_mask(num_tokens, device)
         elif impl == "sdpa_padded":
-            if self.sliding_window is not None:
-                raise ValueError("impl='sdpa_padded' has no sliding window; use 'sdpa' or 'sdpa_mask'")
             self._state = layout or self._padded_layout(device, dtype, query_heads)
         elif impl == "flex":
             self._state = self._flex_mask(num_tokens, device)
@@ -166,7 +164,9 @@ class PackedCausalAttention:
     def _padded_layout(self, device: torch.device, dtype: torch.dtype | None, query_heads: int | None) -> PaddedLayout:
         """The sequences' ``padded_layout`` (explicit bf16 batches, in query blocks where they pay, on CPU)."""
         cu = self.cu_seqlens_B1.cpu().numpy()
-        return padded_layout(cu, cu, device, end_aligned=False, query_heads=query_heads or 1, dtype=dtype)
+        return padded_layout(
+            cu, cu, device, end_aligned=False, query_heads=query_heads or 1, dtype=dtype, window=self.sliding_window
+        )
 
     def _doc_ids_T(self, device: torch.device) -> torch.Tensor:
         return sequence_index_T(self.cu_seqlens_B1, device)
@@ -344,6 +344,7 @@ def padded_layout(
     query_heads: int = 1,
     dtype: torch.dtype | None = None,
     query_block: int | None = None,
+    window: int | None = None,
 ) -> PaddedLayout:
     """``padded_sdpa``'s layout of query sequences: sequence s's queries are rows ``cu_q_B1[s]:cu_q_B1[s+1]``
     of q, its keys entries ``cu_k_B1[s]:cu_k_B1[s+1]`` of ``key_rows`` (rows of k and v; default: the
@@ -354,7 +355,8 @@ def padded_layout(
     GEMMs), each batch within ``CPU_EXPLICIT_MAX_SCORES`` gets the additive bias ``CpuExplicitAttention``
     reads, and the sequences may be cut into blocks of ``query_block`` (default ``QUERY_BLOCK``; elsewhere
     none unless given) query rows, each with the keys up to its last row (end-aligned), where those blocks'
-    batches cost less."""
+    batches cost less. ``window``: a query at position p sees keys p - window < j <= p only (every batch
+    then takes a mask)."""
     len_q, len_k = np.diff(cu_q_B1), np.diff(cu_k_B1)
     if np.any((len_q == 0) & (len_k > 0)):
         raise ValueError("padded_layout: a query sequence without query rows has keys")
@@ -365,7 +367,7 @@ def padded_layout(
     whole = max(int(len_q.max(initial=0)), 1)
     pieces = _pieces(len_q, len_k, whole)
     runs, cost = length_buckets(pieces[2], pieces[3], query_heads)
-    masked = end_aligned
+    masked = end_aligned or window is not None
     if query_block and query_block < whole:  # blocks where their batches cost less than the whole sequences'
         blocked = _pieces(len_q, len_k, query_block)
         blocked_runs, blocked_cost = length_buckets(blocked[2], blocked[3], query_heads)
@@ -389,7 +391,11 @@ def padded_layout(
         mask = None
         if masked:
             a, nq3, nk3 = rq[..., None], nq[..., None], nk[..., None]
-            mask = torch.from_numpy(((rk <= a + (nk3 - nq3)) & (a < nq3)) | (rk == 0)).to(device)
+            seen = (rk <= a + (nk3 - nq3)) & (a < nq3)
+            if window is not None:
+                seen &= rk > a + (nk3 - nq3) - window
+            # a padding query row sees its piece's first key only (no empty row)
+            mask = torch.from_numpy(seen | ((rk == 0) & (a >= nq3))).to(device)
         bias = None
         if explicit and n * query_heads * sq * sk <= CPU_EXPLICIT_MAX_SCORES:
             allowed = mask if mask is not None else torch.ones(sq, sk, dtype=torch.bool).tril()[None]

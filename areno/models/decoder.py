@@ -190,12 +190,15 @@ class RMSNorm(nn.Module):
             return fused_ops.rms_norm(
                 x, self.weight, self.eps, scale_in_float32=self.scale_in_float32, offset=self.offset
             )
-        if self.offset:
-            return eager_rms_norm_offset(x, self.weight, self.eps, self.offset)
-        if cpu_train_ops.applies(x) and not (self.scale_in_float32 and x.dtype != torch.float32):
-            out = cpu_train_ops.rms_norm(x, self.weight, self.eps)  # float32 only: both orders agree there
+        fp32_scale = self.scale_in_float32 or self.offset
+        if cpu_train_ops.applies(x) and not (fp32_scale and x.dtype != torch.float32):
+            # float32 only: every order agrees there, and (offset + w) * x equals x * (offset + w)
+            weight = self.weight + self.offset if self.offset else self.weight
+            out = cpu_train_ops.rms_norm(x, weight, self.eps)
             if out is not None:
                 return out
+        if self.offset:
+            return eager_rms_norm_offset(x, self.weight, self.eps, self.offset)
         if self.scale_in_float32:
             return eager_rms_norm_fp32_scale(x, self.weight, self.eps)
         return eager_rms_norm(x, self.weight, self.eps)

@@ -150,3 +150,34 @@ def test_blocks_see_the_keys_up_to_their_last_row(monkeypatch):
     attn.prepare(900, torch.device("cpu"), 8, torch.float32, query_heads=8)
     assert max(b.len_q for b in attn._state.buckets) == 600
     assert all(b.mask_BQK is None for b in attn._state.buckets)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: explicit GEMMs over query blocks
+def test_windowed_sequences_pad_into_batches_as_the_full_ones_do(dtype):
+    """A sliding window (Gemma 3's, OLMo 3's) in the padded batches: every batch's mask keeps the keys
+    p - window < j <= p, query blocks included; values and gradients equal per-sequence SDPA's with the
+    window; a layer outside ``window_layers`` attends in full through the twin."""
+    lens = [300, 3, 0, 41, 17, 90]
+    cu_B1 = torch.tensor([0, *np.cumsum(lens).tolist()])
+    g = torch.Generator().manual_seed(2)
+    T = int(cu_B1[-1])
+    ins = [torch.randn(T, h, 16, generator=g).to(dtype).requires_grad_() for h in (4, 2, 2)]
+    grad = torch.randn(T, 4, 16, generator=g).to(dtype)
+
+    def run(attn, layer=0):
+        for t in ins:
+            t.grad = None
+        out = attn(layer, *ins)
+        out.backward(grad)
+        return [out.detach().float(), *(t.grad.float() for t in ins)]
+
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    attn = PackedCausalAttention(cu_B1, sliding_window=24, impl="auto", window_layers=(0,))
+    got = run(attn)
+    assert attn._impl == "sdpa_padded" and all(b.mask_BQK is not None for b in attn._state.buckets)
+    for a, b in zip(got, run(PackedCausalAttention(cu_B1, sliding_window=24, impl="sdpa"))):
+        torch.testing.assert_close(a, b, **tol)
+    full = run(attn, layer=1)  # not a window layer
+    for a, b in zip(full, run(PackedCausalAttention(cu_B1, impl="sdpa"))):
+        torch.testing.assert_close(a, b, **tol)
+    assert (full[0] - got[0]).abs().max() > 0.05  # the window changes the long sequences' rows

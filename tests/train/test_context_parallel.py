@@ -60,6 +60,8 @@ def test_ulysses_logprobs_and_gradients_equal_one_process(tmp_path):
     dirs = {
         "kv_split": str(make_model_dir(tmp_path / "kv2", heads=4, kv_heads=2)),  # 1 KV head per rank
         "kv_repeat": str(make_model_dir(tmp_path / "kv1", heads=4, kv_heads=1, tie_word_embeddings=True)),
+        # a 4-key window in layer 0 only, which turns by its own RoPE (Gemma 3's layout)
+        "layer_windows": str(make_model_dir(tmp_path / "g3", heads=4, kv_heads=2, arch="gemma3", sliding_window=4)),
     }
     spawn(_grads_worker, 2, dirs, str(tmp_path), tmp=tmp_path)
     r = torch.load(tmp_path / "grads.pt", weights_only=True)
