@@ -146,11 +146,17 @@ class SharedPrefixAttention:
     """The ``AttentionBackend`` of a shared-prompt packing: query sequence q attends causally to
     its gathered keys, its queries being the last of them (flash's varlen kernel with the causal
     mask aligned to the end of the keys on CUDA in 16-bit dtypes; elsewhere SDPA calls over the
-    query sequences right-padded into batches by length, with masks: ``attention.padded_layout``). No
-    sliding window: ``plan``'s callers share prompts only without one."""
+    query sequences right-padded into batches by length, with masks: ``attention.padded_layout``).
+    ``sliding_window`` / ``window_layers``: as ``PackedCausalAttention``'s (a window-less twin serves the
+    other layers where only some slide)."""
 
-    def __init__(self, sharing: PrefixSharing) -> None:
+    def __init__(
+        self, sharing: PrefixSharing, *, sliding_window: int | None = None, window_layers: tuple[int, ...] | None = None
+    ) -> None:
         self.sharing = sharing
+        self.sliding_window = sliding_window
+        self.window_layers = window_layers if sliding_window is not None else None
+        self._full = None if self.window_layers is None else SharedPrefixAttention(sharing)
         self._state: tuple | None = None
         self._prepared_for: tuple | None = None
 
@@ -168,7 +174,11 @@ class SharedPrefixAttention:
         accepted for ``PackedCausalAttention``'s signature; flex has no shared-prefix mask here.
         ``query_heads``: q's heads, for the padded batches' split (``attention.length_buckets``)."""
         device = torch.device(device)
+        if self._full is not None:
+            self._full.prepare(num_tokens, device, head_dim, dtype, cuda_impl, query_heads)
         flash = device.type == "cuda" and dtype is not None and flash_runs(dtype, head_dim) and varlen_available()
+        # a torch whose varlen kernel has no window takes the padded batches, whose masks carry it
+        flash = flash and (self.sliding_window is None or varlen_features()[1])
         if self._prepared_for == (num_tokens, device, flash):
             return
         sh = self.sharing
@@ -199,6 +209,7 @@ class SharedPrefixAttention:
                 key_rows=sh.key_index_K.numpy(),
                 query_heads=query_heads or 1,
                 dtype=dtype,
+                window=self.sliding_window,
             )
             self._state = ("padded", layout)
         self._prepared_for = (num_tokens, device, flash)
@@ -209,13 +220,16 @@ class SharedPrefixAttention:
         return self._state[1] if self._state is not None and self._state[0] == "padded" else None
 
     def __call__(self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
+        if self._full is not None and layer_idx not in self.window_layers:
+            return self._full(layer_idx, q_THD, k_THD, v_THD)
         if self._state is None:
             self.prepare(q_THD.shape[0], q_THD.device, q_THD.shape[-1], q_THD.dtype, query_heads=q_THD.shape[1])
         if self._state[0] == "varlen":
             _, key_index, cu_q, cu_k, max_q, max_k, has_gqa, has_window = self._state
             k_KHD, v_KHD = k_THD.index_select(0, key_index), v_THD.index_select(0, key_index)
+            window = self.sliding_window
             return varlen_causal(
-                q_THD, k_KHD, v_KHD, cu_q, cu_k, max_q, max_k, None, has_gqa=has_gqa, has_window=has_window
+                q_THD, k_KHD, v_KHD, cu_q, cu_k, max_q, max_k, window, has_gqa=has_gqa, has_window=has_window
             )
         # the layout gathers each padded key slot from k and v directly
         return padded_sdpa(q_THD, k_THD, v_THD, self._state[1])

@@ -39,7 +39,11 @@ def hidden_states_TD(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
             pos_T = position_ids_from_cu_seqlens(cu_host_B1, "cpu")
             ids_C = host_to_device(ids_host_T.index_select(0, sharing.source_C), device)
             pos_C = host_to_device(pos_T.index_select(0, sharing.source_C), device)
-            hidden_CD = model(ids_C, pos_C, prefix_sharing.SharedPrefixAttention(sharing))
+            window = getattr(model.config, "sliding_window", None)
+            attn = prefix_sharing.SharedPrefixAttention(
+                sharing, sliding_window=window, window_layers=getattr(model.config, "window_layers", None)
+            )
+            hidden_CD = model(ids_C, pos_C, attn)
             return hidden_CD.index_select(0, host_to_device(sharing.expand_T, device))
     config = model.config
     window, window_layers = getattr(config, "sliding_window", None), getattr(config, "window_layers", None)

@@ -584,8 +584,6 @@ class PackedTrainBackend(TrainBackend):
             why = "a mixture of experts, whose routes are recorded and replayed per token"
         elif vision_towers(model):
             why = "a vision-language model"
-        elif self.model_config.sliding_window is not None:
-            why = "sliding-window attention"
         elif cfg.attention == "flex":
             why = "train.attention=flex, whose document mask has no shared prompts"
         if why is not None and cfg.share_prompts is True:

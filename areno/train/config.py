@@ -184,7 +184,7 @@ class TrainStepConfig:
     """Compute a run of adjacent sequences' common prompt once in training forwards (a GRPO group's
     samples of one prompt; ``areno.models.prefix_sharing``): the same hidden states, log-probs and
     gradients up to summation order, over fewer tokens. ``true``, ``false`` or ``auto`` (on wherever it
-    applies). It applies to a dense decoder without a sliding window, text-only batches, cp_size=1 and
+    applies). It applies to a dense decoder (sliding windows included), text-only batches, cp_size=1 and
     an attention other than ``flex``: ``auto`` is off otherwise, ``true`` is refused."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: the activations of one layer at a time

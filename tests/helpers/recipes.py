@@ -26,11 +26,12 @@ VOCAB = 24
 torch.set_num_threads(1)
 
 
-def make_decoder(seed: int) -> Decoder:
+def make_decoder(seed: int, **kw) -> Decoder:
+    """A tiny decoder (``kw``: ``tiny_config`` fields, e.g. another ``arch``)."""
     torch.manual_seed(seed)
     # a large init std makes the next-token distributions far from uniform, so ratios, clips and
     # KL terms are exercised with non-trivial values
-    return Decoder(tiny_config(VOCAB, hidden_size=32, layers=2, heads=4, kv_heads=2, initializer_range=0.3))
+    return Decoder(tiny_config(VOCAB, hidden_size=32, layers=2, heads=4, kv_heads=2, initializer_range=0.3, **kw))
 
 
 def model_fixture() -> Decoder:

@@ -68,8 +68,8 @@ def test_plan_shares_nothing_without_equal_adjacent_prompts():
     assert prefix_sharing.plan(batch.input_ids_T, batch.cu_seqlens_B1, batch.loss_mask_T) is None
 
 
-def _logprobs_and_grads(batch: TokenBatch, share: bool, device: str = "cpu", dtype=torch.float32):
-    model = make_decoder(0).to(device=device, dtype=dtype)
+def _logprobs_and_grads(batch: TokenBatch, share: bool, device: str = "cpu", dtype=torch.float32, **kw):
+    model = make_decoder(0, **kw).to(device=device, dtype=dtype)
     model.share_prompts = share
     mask_T = batch.loss_mask_T.bool()
     out = token_logprobs_T(model, batch, mask_T=mask_T, with_entropy=True, temperature=0.8)
@@ -78,14 +78,19 @@ def _logprobs_and_grads(batch: TokenBatch, share: bool, device: str = "cpu", dty
     return out, {n: p.grad.float().cpu() for n, p in model.named_parameters()}
 
 
+WINDOWED = {"arch": "gemma3", "sliding_window": 3}
+"""A 3-key window in layer 0 only, under which the prompts' and completions' rows see fewer keys."""
+
+
+@pytest.mark.parametrize("kw", [{}, WINDOWED], ids=["full", "window_in_layer_0"])
 @pytest.mark.parametrize("call_entries", [0, None], ids=["batches_by_length", "default"])
-def test_shared_forward_equals_unshared_forward_on_cpu(call_entries, monkeypatch):
+def test_shared_forward_equals_unshared_forward_on_cpu(call_entries, kw, monkeypatch):
     """fp32 on the CPU; with ``PAD_CALL_ENTRIES`` = 0 the query sequences go into a padded batch per
     length (``attention.length_buckets``)."""
     if call_entries is not None:
         monkeypatch.setattr(attention, "PAD_CALL_ENTRIES", call_entries)
     batch = shared_batch()
-    (ref, ref_grads), (out, grads) = _logprobs_and_grads(batch, False), _logprobs_and_grads(batch, True)
+    (ref, ref_grads), (out, grads) = _logprobs_and_grads(batch, False, **kw), _logprobs_and_grads(batch, True, **kw)
     for key in ("logprobs_T", "entropy_T"):
         torch.testing.assert_close(out[key], ref[key], rtol=0, atol=1e-5, msg=key)
     for name, g in ref_grads.items():  # fp32 sums in another order: within 1e-5 of the gradient's scale
@@ -120,13 +125,13 @@ def test_actor_loss_under_shared_prompts_equals_unshared():
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
 
 
-def _shared_equals_unshared_in_bf16(device: str) -> None:
+def _shared_equals_unshared_in_bf16(device: str, **kw) -> None:
     prompt = [3 + i % (VOCAB - 3) for i in range(64)]
     specs = [("a", prompt, n) for n in (40, 70, 33, 90)] + [("b", prompt[7:30], 50)]
     batch = shared_batch(specs)
     (ref, ref_grads), (out, grads) = (
-        _logprobs_and_grads(batch, False, device, torch.bfloat16),
-        _logprobs_and_grads(batch, True, device, torch.bfloat16),
+        _logprobs_and_grads(batch, False, device, torch.bfloat16, **kw),
+        _logprobs_and_grads(batch, True, device, torch.bfloat16, **kw),
     )
     mask = batch.loss_mask_T.to(device)
     torch.testing.assert_close(out["logprobs_T"][mask], ref["logprobs_T"][mask], rtol=0, atol=0.05)
@@ -137,19 +142,21 @@ def _shared_equals_unshared_in_bf16(device: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_shared_forward_equals_unshared_forward_with_flash():
+@pytest.mark.parametrize("kw", [{}, {"arch": "gemma3", "sliding_window": 24}], ids=["full", "window_in_layer_0"])
+def test_shared_forward_equals_unshared_forward_with_flash(kw):
     """bf16 on the GPU: the varlen flash path (keys gathered, causal mask aligned to their end)."""
-    _shared_equals_unshared_in_bf16("cuda")
+    _shared_equals_unshared_in_bf16("cuda", **kw)
 
 
+@pytest.mark.parametrize("kw", [{}, {"arch": "gemma3", "sliding_window": 24}], ids=["full", "window_in_layer_0"])
 @pytest.mark.parametrize("call_entries", [0, None], ids=["batches_by_length", "default"])
-def test_shared_forward_equals_unshared_forward_in_bf16_on_cpu(call_entries, monkeypatch):
+def test_shared_forward_equals_unshared_forward_in_bf16_on_cpu(call_entries, kw, monkeypatch):
     """bf16 on the CPU: the query sequences padded into batches under their masks, attended as two
     bf16 GEMMs around an fp32 softmax (``CpuExplicitAttention``); a batch per length with
     ``PAD_CALL_ENTRIES`` = 0."""
     if call_entries is not None:
         monkeypatch.setattr(attention, "PAD_CALL_ENTRIES", call_entries)
-    _shared_equals_unshared_in_bf16("cpu")
+    _shared_equals_unshared_in_bf16("cpu", **kw)
 
 
 def _token_forward(model, mb):
@@ -180,9 +187,9 @@ def test_backend_sets_share_prompts_and_a_step_trains_the_same(tmp_path):
             # which Adam scales to a step of up to lr either way
             continue
         torch.testing.assert_close(params[1][name], p, rtol=1e-4, atol=1e-6, msg=name)
-    with pytest.raises(ConfigError, match=r"^train.share_prompts=true: not with sliding-window attention; set"):
-        b = LocalTrainBackend(TrainBackendConfig(device="cpu", share_prompts=True))
-        b.initialize(make_model_dir(tmp_path / "w", arch="mistral", sliding_window=4))
+    windowed = LocalTrainBackend(TrainBackendConfig(device="cpu", share_prompts=True))
+    windowed.initialize(make_model_dir(tmp_path / "w", arch="mistral", sliding_window=4))  # windows share too
+    assert windowed.model.share_prompts
     with pytest.raises(ConfigError, match=r"^train.share_prompts=true: not with train.attention=flex, whose"):
         b = LocalTrainBackend(TrainBackendConfig(device="cpu", share_prompts=True, attention="flex"))
         b.initialize(model_dir)
