@@ -441,7 +441,10 @@ def check_tiny_arguments(arguments: dict[str, Any], *, key: str = "tiny_config")
         if name == "vocab_size":
             raise ConfigError(f"{key}.vocab_size: the model's vocabulary is the tokenizer's: leave vocab_size out")
         if name not in types:
-            close = difflib.get_close_matches(name, list(types), n=1)
+            # tiny_config's own arguments first: "hidden" means hidden_size more often than hidden_act
+            close = difflib.get_close_matches(name, list(_TINY_ARGUMENTS), n=1) or difflib.get_close_matches(
+                name, list(types), n=1
+            )
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{key}: unknown key {name!r}{hint}; valid keys: {', '.join(types)}")
         if not is_of_type(value, types[name]):

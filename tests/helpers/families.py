@@ -3,6 +3,9 @@ batch of three sequences, and transformers' log-probs of them (the reference are
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -54,3 +57,50 @@ def reference_logprobs(ref: torch.nn.Module, seqs: list[torch.Tensor], *, grad: 
             lp = torch.log_softmax(logits[:-1], -1).gather(-1, s[1:, None])[:, 0]
             out.append(torch.cat([lp.new_zeros(1), lp]))
     return torch.cat(out)
+
+
+def assert_export_reads_back(model, config, seqs: list[torch.Tensor], expected: torch.Tensor, out_dir) -> None:
+    """areno's export of ``model`` loads into transformers with the log-probs ``expected`` (to 1e-5) and its
+    config.json reads back to ``config``."""
+    from areno.models import ModelConfig, save_model
+
+    save_model(model, config, out_dir)
+    back = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        assert (reference_logprobs(back.eval(), seqs) - expected).abs().max().item() <= 1e-5
+    assert ModelConfig.from_hf(json.loads((Path(out_dir) / "config.json").read_text())) == config
+
+
+def assert_engine_decodes_as_recompute(model, config, **engine_kw) -> None:
+    """The rollout engine's greedy tokens for three prompts equal a full recompute's (``naive_greedy``)."""
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+    from areno.types import SamplingParams
+    from tests.helpers.rollout import naive_greedy, random_prompts
+
+    engine_kw = dict(block_size=4, num_blocks=64, max_model_len=64) | engine_kw
+    engine = RolloutEngine(model.eval(), config, config=RolloutEngineConfig(**engine_kw))
+    prompts = [[t % VOCAB for t in p] for p in random_prompts(3, seed=15, lo=6, hi=14)]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.output_ids == naive_greedy(model, prompt, 10)[0]
+
+
+def grpo_learns_and_exports(tmp_path, arch: str, extra: str = "") -> dict:
+    """A 12-step GRPO run on a tiny ``arch`` model (``extra``: more ``init_tiny`` keys, ", key: value")
+    raises the demo reward; returns the config.json of its last checkpoint's export."""
+    from tests.helpers.configs import grpo_rewards_on_tiny
+
+    init = f"model.init_tiny={{arch: {arch}, hidden_size: 32, layers: 2, heads: 2, kv_heads: 1, intermediate_size: 64"
+    rewards = grpo_rewards_on_tiny(tmp_path, init + extra + "}")
+    assert len(rewards) == 12
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
+    exported = json.loads((tmp_path / "run" / "checkpoints" / "step_00000012" / "hf" / "config.json").read_text())
+    assert exported["architectures"] == [config_architecture(arch)]
+    return exported
+
+
+def config_architecture(arch: str) -> str:
+    """``tiny_config``'s architecture name of ``arch``."""
+    from areno.models import tiny_config
+
+    return tiny_config(VOCAB, arch=arch).architecture

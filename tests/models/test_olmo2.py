@@ -5,17 +5,22 @@ rollout engine decodes it; GRPO on a tiny one learns the demo reward."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Olmo2Config
+from transformers import Olmo2Config
 
-from areno.models import Decoder, ModelConfig, check_tp_size, load_model, save_model, tiny_config
+from areno.models import Decoder, check_tp_size, load_model, tiny_config
 from areno.models.logprobs import packed_logprobs
 from areno.models.tp_plan import tp_plan, tp_style
-from tests.helpers.configs import grpo_rewards_on_tiny
-from tests.helpers.families import VOCAB, packed_batch, reference_logprobs, saved_by_transformers
+from tests.helpers.families import (
+    VOCAB,
+    assert_engine_decodes_as_recompute,
+    assert_export_reads_back,
+    grpo_learns_and_exports,
+    packed_batch,
+    reference_logprobs,
+    saved_by_transformers,
+)
 
 
 def _saved_by_transformers(path, **kw):
@@ -41,11 +46,7 @@ def test_a_checkpoint_transformers_saved_computes_its_logprobs(kw, tmp_path):
     assert model.model.layers[0].self_attn.q_norm.weight.shape == (4 * 12,)
     assert config.num_params() == sum(p.numel() for p in model.parameters())
     # areno's export loads back into transformers with the same values
-    save_model(model, config, tmp_path / "out")
-    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32, attn_implementation="eager")
-    with torch.no_grad():
-        assert (reference_logprobs(back.eval(), seqs) - expected).abs().max().item() <= 1e-5
-    assert ModelConfig.from_hf(json.loads((tmp_path / "out" / "config.json").read_text())) == config
+    assert_export_reads_back(model, config, seqs, expected, tmp_path / "out")
 
 
 def test_gradients_match_transformers(tmp_path):
@@ -93,26 +94,9 @@ def test_tensor_parallelism_which_would_split_the_qk_norms_is_refused():
 
 
 def test_the_rollout_engine_decodes_what_the_model_computes(tmp_path):
-    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
-    from areno.types import SamplingParams
-    from tests.helpers.rollout import naive_greedy, random_prompts
-
     _saved_by_transformers(tmp_path)
-    model, config = load_model(tmp_path)
-    model.eval()
-    engine = RolloutEngine(model, config, config=RolloutEngineConfig(block_size=4, num_blocks=64, max_model_len=64))
-    prompts = [[t % VOCAB for t in p] for p in random_prompts(3, seed=15, lo=6, hi=14)]
-    outs = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
-        assert out.output_ids == naive_greedy(model, prompt, 10)[0]
+    assert_engine_decodes_as_recompute(*load_model(tmp_path))
 
 
 def test_grpo_on_a_tiny_olmo2_learns_the_reward(tmp_path):
-    rewards = grpo_rewards_on_tiny(
-        tmp_path,
-        "model.init_tiny={arch: olmo2, hidden_size: 32, layers: 2, heads: 2, kv_heads: 1, intermediate_size: 64}",
-    )
-    assert len(rewards) == 12
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
-    exported = json.loads((tmp_path / "run" / "checkpoints" / "step_00000012" / "hf" / "config.json").read_text())
-    assert exported["architectures"] == ["Olmo2ForCausalLM"]
+    grpo_learns_and_exports(tmp_path, "olmo2")
