@@ -1,4 +1,5 @@
-"""One Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, OLMo 2, Phi-3, SmolLM3 and the expert layouts) shared by training and rollout."""
+"""One Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, OLMo 2, OLMo 3, Gemma 3, Phi-3, SmolLM3 and the expert
+layouts) shared by training and rollout."""
 
 from areno.models.attention import AttentionBackend, PackedCausalAttention
 from areno.models.config import SUPPORTED_ARCHITECTURES, ModelConfig

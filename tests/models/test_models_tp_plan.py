@@ -21,6 +21,8 @@ VOCAB = 40
         dict(arch="llama", attention_bias=True, attention_out_bias=True, mlp_bias=True),
         dict(arch="mistral"),
         dict(arch="olmo2", attention_bias=True, attention_out_bias=True),
+        dict(arch="olmo3"),
+        dict(arch="gemma3"),
         dict(arch="phi3", sliding_window=8),
     ],
 )
@@ -61,6 +63,7 @@ class _ThreadAllReduce:
         dict(arch="qwen3", tie_word_embeddings=True),
         dict(arch="llama", attention_bias=True, attention_out_bias=True, mlp_bias=True),
         dict(arch="phi3"),  # each rank's q/k/v and gate/up rows cut from the packed tensors on disk
+        dict(arch="gemma3", sliding_window=4),  # per-head q/k norms, four block norms, a window in layer 0
     ],
 )
 def test_tp2_shards_loaded_by_plan_equal_full_model(kw, tmp_path):
