@@ -17,6 +17,7 @@ from tests.helpers.families import (
     VOCAB,
     assert_engine_decodes_as_recompute,
     assert_export_reads_back,
+    assert_gradients_match,
     grpo_learns_and_exports,
     packed_batch,
     reference_logprobs,
@@ -61,28 +62,21 @@ def test_a_checkpoint_transformers_saved_computes_its_logprobs(case, tmp_path):
 def test_gradients_match_transformers(tmp_path):
     ref = _saved_by_transformers(tmp_path / "hf", **CASES["pattern_linear"])
     model, _ = load_model(tmp_path / "hf")
-    seqs, ids_T, cu_B1 = packed_batch()
-    ours, _ = packed_logprobs(model, ids_T, cu_B1, chunk_size=7)
-    ours.sum().backward()
-    reference_logprobs(ref, seqs, grad=True).sum().backward()
-    ref_params = dict(ref.named_parameters())
-    ours_params = dict(model.named_parameters())
-    for name in [
-        "model.embed_tokens.weight",
-        "model.layers.0.input_layernorm.weight",
-        "model.layers.0.self_attn.q_norm.weight",
-        "model.layers.1.self_attn.k_norm.weight",
-        "model.layers.1.post_attention_layernorm.weight",
-        "model.layers.2.pre_feedforward_layernorm.weight",
-        "model.layers.2.post_feedforward_layernorm.weight",
-        "model.layers.2.mlp.gate_proj.weight",
-        "model.norm.weight",
-    ]:
-        g, r = ours_params[name].grad, ref_params[name].grad
-        assert r.abs().max() > 0, name
-        # the tied embedding sums the head's and the lookup's gradients (up to ~40 here): float32 rounding
-        atol = 1e-5 * max(1.0, r.abs().max().item())
-        torch.testing.assert_close(g, r, rtol=1e-4, atol=atol, msg=name)
+    assert_gradients_match(
+        model,
+        ref,
+        [
+            "model.embed_tokens.weight",
+            "model.layers.0.input_layernorm.weight",
+            "model.layers.0.self_attn.q_norm.weight",
+            "model.layers.1.self_attn.k_norm.weight",
+            "model.layers.1.post_attention_layernorm.weight",
+            "model.layers.2.pre_feedforward_layernorm.weight",
+            "model.layers.2.post_feedforward_layernorm.weight",
+            "model.layers.2.mlp.gate_proj.weight",
+            "model.norm.weight",
+        ],
+    )
 
 
 def _one_b_shape() -> dict:

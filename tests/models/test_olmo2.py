@@ -16,6 +16,7 @@ from tests.helpers.families import (
     VOCAB,
     assert_engine_decodes_as_recompute,
     assert_export_reads_back,
+    assert_gradients_match,
     grpo_learns_and_exports,
     packed_batch,
     reference_logprobs,
@@ -52,26 +53,20 @@ def test_a_checkpoint_transformers_saved_computes_its_logprobs(kw, tmp_path):
 def test_gradients_match_transformers(tmp_path):
     ref = _saved_by_transformers(tmp_path / "hf")
     model, _ = load_model(tmp_path / "hf")
-    seqs, ids_T, cu_B1 = packed_batch()
-    ours, _ = packed_logprobs(model, ids_T, cu_B1, chunk_size=7)
-    ours.sum().backward()
-    reference_logprobs(ref, seqs, grad=True).sum().backward()
-    ref_params = dict(ref.named_parameters())
-    names = [
-        "model.layers.0.self_attn.q_norm.weight",
-        "model.layers.1.self_attn.k_norm.weight",
-        "model.layers.0.post_attention_layernorm.weight",
-        "model.layers.1.post_feedforward_layernorm.weight",
-        "model.layers.0.self_attn.q_proj.weight",
-        "model.layers.1.mlp.down_proj.weight",
-        "model.norm.weight",
-        "lm_head.weight",
-    ]
-    ours_params = dict(model.named_parameters())
-    for name in names:
-        g, r = ours_params[name].grad, ref_params[name].grad
-        assert r.abs().max() > 0, name
-        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5, msg=name)
+    assert_gradients_match(
+        model,
+        ref,
+        [
+            "model.layers.0.self_attn.q_norm.weight",
+            "model.layers.1.self_attn.k_norm.weight",
+            "model.layers.0.post_attention_layernorm.weight",
+            "model.layers.1.post_feedforward_layernorm.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.1.mlp.down_proj.weight",
+            "model.norm.weight",
+            "lm_head.weight",
+        ],
+    )
 
 
 def test_the_other_layouts_are_refused_for_olmo2_and_olmo2s_for_the_others():

@@ -15,6 +15,7 @@ from tests.helpers.families import (
     VOCAB,
     assert_engine_decodes_as_recompute,
     assert_export_reads_back,
+    assert_gradients_match,
     grpo_learns_and_exports,
     packed_batch,
     reference_logprobs,
@@ -69,22 +70,17 @@ def test_a_checkpoint_transformers_saved_computes_its_logprobs(case, tmp_path):
 def test_gradients_match_transformers(tmp_path):
     ref = _saved_by_transformers(tmp_path / "hf", **CASES["yarn_full_only"])
     model, _ = load_model(tmp_path / "hf")
-    seqs, ids_T, cu_B1 = packed_batch()
-    ours, _ = packed_logprobs(model, ids_T, cu_B1, chunk_size=7)
-    ours.sum().backward()
-    reference_logprobs(ref, seqs, grad=True).sum().backward()
-    ref_params = dict(ref.named_parameters())
-    ours_params = dict(model.named_parameters())
-    for name in [
-        "model.layers.0.self_attn.q_norm.weight",
-        "model.layers.3.self_attn.k_proj.weight",
-        "model.layers.2.post_feedforward_layernorm.weight",
-        "model.layers.3.mlp.up_proj.weight",
-        "lm_head.weight",
-    ]:
-        g, r = ours_params[name].grad, ref_params[name].grad
-        assert r.abs().max() > 0, name
-        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5, msg=name)
+    assert_gradients_match(
+        model,
+        ref,
+        [
+            "model.layers.0.self_attn.q_norm.weight",
+            "model.layers.3.self_attn.k_proj.weight",
+            "model.layers.2.post_feedforward_layernorm.weight",
+            "model.layers.3.mlp.up_proj.weight",
+            "lm_head.weight",
+        ],
+    )
 
 
 def _seven_b_shape() -> dict:
