@@ -32,6 +32,11 @@ def hidden_states_TD(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
     device = model.output_weight.device
     cu_host_B1 = batch.cu_seqlens_B1.cpu()  # bounds are read on the host (no GPU stall)
     images = batch_images(batch)
+    # the layers' windows (a wrapper's config is its decoder's)
+    windows = dict(
+        sliding_window=getattr(model.config, "sliding_window", None),
+        window_layers=getattr(model.config, "window_layers", None),
+    )
     if images is None and getattr(model, "share_prompts", False):
         ids_host_T = batch.input_ids_T.cpu()
         sharing = prefix_sharing.plan(ids_host_T, cu_host_B1, batch.loss_mask_T.cpu())
@@ -39,15 +44,9 @@ def hidden_states_TD(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
             pos_T = position_ids_from_cu_seqlens(cu_host_B1, "cpu")
             ids_C = host_to_device(ids_host_T.index_select(0, sharing.source_C), device)
             pos_C = host_to_device(pos_T.index_select(0, sharing.source_C), device)
-            window = getattr(model.config, "sliding_window", None)
-            attn = prefix_sharing.SharedPrefixAttention(
-                sharing, sliding_window=window, window_layers=getattr(model.config, "window_layers", None)
-            )
-            hidden_CD = model(ids_C, pos_C, attn)
+            hidden_CD = model(ids_C, pos_C, prefix_sharing.SharedPrefixAttention(sharing, **windows))
             return hidden_CD.index_select(0, host_to_device(sharing.expand_T, device))
-    config = model.config
-    window, window_layers = getattr(config, "sliding_window", None), getattr(config, "window_layers", None)
-    attn = PackedCausalAttention(cu_host_B1, sliding_window=window, window_layers=window_layers)
+    attn = PackedCausalAttention(cu_host_B1, **windows)
     ids_T, pos_T = host_to_device(batch.input_ids_T, device), position_ids_from_cu_seqlens(cu_host_B1, device)
     if images is not None:  # a vision-language batch: the vision tower runs inside this forward
         return model(ids_T, pos_T, attn, images=images)
