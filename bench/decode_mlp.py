@@ -9,6 +9,12 @@ float64 MLP of the same inputs.
     python -m bench.decode_mlp                                   # 0.5B MLP (896 -> 4864), 1-64 rows
     python -m bench.decode_mlp --dims 1536 8960 --layers 28      # 1.5B
     python -m bench.decode_mlp --sweep-splits 4 5 8              # also the kernels at other down splits
+    python -m bench.decode_mlp --dims 1152 6912 --layers 26 --gelu  # Gemma 3 1B's GeGLU MLP
+
+With ``--gelu`` (GeGLU: the tanh GELU in place of SiLU) the baseline is what the engine ran before its
+kernels took GeGLU: cuBLAS gate/up, the eager GELU and multiply, cuBLAS down; ``halves_us`` is also timed
+(cuBLAS gate/up, the fused activation kernel over the halves, cuBLAS down: the engine's path above
+``MAX_ROWS``).
 
 Prints one JSON object: ``figure`` the mean over row counts of the kernels' us per layer, ``baseline`` the
 cuBLAS arm's, ``ratio`` = baseline / figure (> 1: the kernels faster), then per case both. CUDA only.
@@ -24,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from areno.models import decode_mlp, fused_linear, fused_ops
+from areno.models.eager_ops import eager_glu
 from bench._common import emit, graphed_us, headline, parser, ratio
 
 
@@ -44,17 +51,25 @@ def make_case(rows: int, d: int, i: int, layers: int, seed: int = 0) -> dict:
     }
 
 
-def kernels_arm(case: dict, w_gu: torch.Tensor, w_d: torch.Tensor, splits=None, always=False) -> torch.Tensor:
+def kernels_arm(
+    case: dict, w_gu: torch.Tensor, w_d: torch.Tensor, splits=None, always=False, gelu=False
+) -> torch.Tensor:
     """The engine's MLP: the kernels where ``decode_mlp.serves`` (or ``always``), else the cuBLAS arm."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if not (always or decode_mlp.serves(case["x"].shape[0], w_gu.shape[0] // 2, sms)):
-        return cublas_arm(case, w_gu, w_d)
-    parts = decode_mlp.down_parts(decode_mlp.gate_up_silu(case["x"], w_gu), w_d, splits)
+        return cublas_arm(case, w_gu, w_d, gelu=gelu)
+    parts = decode_mlp.down_parts(decode_mlp.gate_up_glu(case["x"], w_gu, gelu=gelu), w_d, splits)
     return fused_ops.add_parts_rms_norm(case["res"], parts, case["norm"], 1e-6)[0]
 
 
-def cublas_arm(case: dict, w_gu: torch.Tensor, w_d: torch.Tensor) -> torch.Tensor:
-    out = F.linear(fused_linear.silu_mul_halves(F.linear(case["x"], w_gu)), w_d)
+def cublas_arm(case: dict, w_gu: torch.Tensor, w_d: torch.Tensor, gelu=False) -> torch.Tensor:
+    out = F.linear(fused_linear.glu_halves(F.linear(case["x"], w_gu), gelu=gelu), w_d)
+    return fused_ops.add_rms_norm(case["res"], out, case["norm"], 1e-6)[0]
+
+
+def eager_act_arm(case: dict, w_gu: torch.Tensor, w_d: torch.Tensor, gelu=False) -> torch.Tensor:
+    """cuBLAS GEMMs around the eager activation and multiply (GeGLU's path before its kernels)."""
+    out = F.linear(eager_glu(*F.linear(case["x"], w_gu).chunk(2, dim=-1), gelu=gelu), w_d)
     return fused_ops.add_rms_norm(case["res"], out, case["norm"], 1e-6)[0]
 
 
@@ -68,11 +83,11 @@ def time_per_layer(case: dict, arm) -> float:
     return graphed_us(step, len(case["weights"]))
 
 
-def error(case: dict, arm) -> float:
+def error(case: dict, arm, gelu=False) -> float:
     """Largest |arm - float64| of the first layer's residual sum, over the float64 value's largest magnitude."""
     w_gu, w_d = case["weights"][0]
     gate, up = F.linear(case["x"].double(), w_gu.double()).chunk(2, dim=-1)
-    ref = case["res"].double() + F.linear(F.silu(gate) * up, w_d.double())
+    ref = case["res"].double() + F.linear(eager_glu(gate, up, gelu=gelu), w_d.double())
     return (arm(case, w_gu, w_d).double() - ref).abs().max().item() / ref.abs().max().item()
 
 
@@ -82,6 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64], help="decode rows (at most MAX_ROWS)")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--sweep-splits", type=int, nargs="*", default=[], help="also time the kernels at these down splits")
+    p.add_argument("--gelu", action="store_true", help="GeGLU (the tanh GELU, Gemma 3) in place of SwiGLU")
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or not fused_ops.available():
         p.error("the decode MLP kernels run on CUDA with triton: run this on a GPU machine")
@@ -90,6 +106,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not (fused_ops.enable() and fused_linear.enable() and decode_mlp.enable()):
         p.error("a fused kernel's self-check failed on this machine (see the warning above)")
     d, i = args.dims
+    gelu = args.gelu
+    kernels = functools.partial(kernels_arm, gelu=gelu)
+    baseline_arm = functools.partial(eager_act_arm if gelu else cublas_arm, gelu=gelu)
     cases = []
     with torch.no_grad():
         for rows in args.rows:
@@ -97,13 +116,15 @@ def main(argv: list[str] | None = None) -> dict:
             row = {
                 "rows": rows,
                 "kernels": decode_mlp.serves(rows, i, torch.cuda.get_device_properties(0).multi_processor_count),
-                "us": time_per_layer(case, kernels_arm),
-                "cublas_us": time_per_layer(case, cublas_arm),
-                "rel_error": error(case, kernels_arm),
-                "cublas_rel_error": error(case, cublas_arm),
+                "us": time_per_layer(case, kernels),
+                "cublas_us": time_per_layer(case, baseline_arm),
+                "rel_error": error(case, kernels, gelu),
+                "cublas_rel_error": error(case, baseline_arm, gelu),
             }
+            if gelu:
+                row["halves_us"] = time_per_layer(case, functools.partial(cublas_arm, gelu=True))
             for splits in args.sweep_splits:  # the kernels whether or not the engine takes them here
-                arm = functools.partial(kernels_arm, splits=splits, always=True)
+                arm = functools.partial(kernels_arm, splits=splits, always=True, gelu=gelu)
                 row.setdefault("sweep", {})[f"s{splits}"] = time_per_layer(case, arm)
             print(f"rows {rows}: {row['us']} us ({row['cublas_us']} cuBLAS) {row.get('sweep', '')}", file=sys.stderr)
             cases.append(row)
@@ -111,15 +132,20 @@ def main(argv: list[str] | None = None) -> dict:
     figure = statistics.mean(c["us"] for c in cases)
     baseline = statistics.mean(c["cublas_us"] for c in cases)
     head = headline(
-        f"decode MLP + residual norm, us per layer (D {d}, I {i}, mean over row counts)",
+        f"decode MLP ({'GeGLU' if gelu else 'SwiGLU'}) + residual norm, us per layer (D {d}, I {i}, mean over row counts)",
         round(figure, 2),
-        "cuBLAS gate/up, the SiLU-and-multiply kernel, cuBLAS down, the add + RMSNorm kernel; same process",
+        (
+            "cuBLAS gate/up, the eager GELU and multiply, cuBLAS down, the add + RMSNorm kernel; same process"
+            if gelu
+            else "cuBLAS gate/up, the SiLU-and-multiply kernel, cuBLAS down, the add + RMSNorm kernel; same process"
+        ),
         round(baseline, 2),
         ratio(baseline, figure),
         "baseline us / kernels us (>1: the kernels faster)",
     )
     details = {
         "dims": [d, i],
+        "gelu": gelu,
         "layers": args.layers,
         "down_splits": decode_mlp.down_splits(d, torch.cuda.get_device_properties(0).multi_processor_count),
         "cases": cases,

@@ -471,7 +471,9 @@ class CpuExplicitAttention(torch.autograd.Function):
         g = Hq // Hkv
         with torch.autocast(q_BHSD.device.type, enabled=False):  # the dtypes below are the point
             q_BGD = q_BHSD.reshape(B, Hkv, g * Sq, D)  # a key head's query heads, one after another
-            scores_BGK = torch.matmul(q_BGD.float().mul_(D**-0.5), k_BHSD.float().transpose(-1, -2))
+            scores_BGK = torch.matmul(
+                q_BGD.to(torch.float32, copy=True).mul_(D**-0.5), k_BHSD.float().transpose(-1, -2)
+            )
             p_BGK = torch.empty_like(scores_BGK, dtype=q_BHSD.dtype)
             for a, b in _batch_slices(B, Hq * Sq * Sk):
                 bias = bias_B1QK[a:b] if bias_B1QK.shape[0] > 1 else bias_B1QK  # per sequence, or one for all

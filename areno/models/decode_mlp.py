@@ -2,12 +2,13 @@
 
 At a decode step's few rows the MLP's GEMMs are bound by launches and by how many SMs read the
 weights, not by FLOPs (bench/LOG.md: the H200 decode step's kernels). cuBLAS runs the MLP as three
-kernels and a fourth: the gate/up GEMM, the SiLU-and-multiply (``fused_linear.silu_mul_halves``), the
+kernels and a fourth: the gate/up GEMM, the gated activation (``fused_linear.glu_halves``), the
 down GEMM split over its long reduction, and that split's reduce kernel. Here:
 
-- ``_gate_up_silu_kernel``: each program multiplies the rows by a column block of gate and the
-  same block of up, and writes ``silu(gate) * up`` (the eager op's roundings: each product rounded
-  to the model dtype as a GEMM's output is, the SiLU rounded) — no [T, 2I] product in memory;
+- ``_gate_up_glu_kernel``: each program multiplies the rows by a column block of gate and the
+  same block of up, and writes ``silu(gate) * up`` (GeGLU: the tanh GELU in place of SiLU; the eager
+  op's roundings: each product rounded to the model dtype as a GEMM's output is, the activation
+  rounded) — no [T, 2I] product in memory;
 - ``_down_parts_kernel``: the down projection split over up to ``DOWN_SPLITS`` shares of the
   intermediate dimension (``down_splits``), each share's fp32 partial written to its own slice of
   ``[P, T, D]``;
@@ -25,12 +26,14 @@ Legend: T = rows, D = hidden size, I = intermediate size, P = down-projection sp
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from areno.models import fused_ops
+from areno.models.eager_ops import eager_glu
 from areno.models.fused_linear import FusedRows
 from areno.models.fused_ops import triton
 
@@ -51,11 +54,24 @@ DOWN_BLOCK = (64, 128)
 if triton is not None:
     import triton.language as tl
 
-    _round_to = fused_ops._round_to  # a jit helper the kernels below call by this global name
+    _round_to = fused_ops._round_to  # jit helpers the kernels below call by these global names
+    _gate_act = fused_ops._gate_act
 
     @triton.jit
-    def _gate_up_silu_kernel(
-        X, W, Y, T, D, inter, stride_x, stride_w, stride_y, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr
+    def _gate_up_glu_kernel(
+        X,
+        W,
+        Y,
+        T,
+        D,
+        inter,
+        stride_x,
+        stride_w,
+        stride_y,
+        GELU: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
     ):
         offs_m = tl.arange(0, BM)
         offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -75,7 +91,7 @@ if triton is not None:
         dt = Y.dtype.element_ty
         g = _round_to(acc_g, dt)  # the gate/up GEMM's output in the model dtype
         u = _round_to(acc_u, dt)
-        act = _round_to(g / (1.0 + tl.exp(-g)), dt)  # eager: silu rounded
+        act = _round_to(_gate_act(g, GELU), dt)  # eager: the activation rounded
         ptrs = Y + offs_m[:, None] * stride_y + offs_n[None, :]
         tl.store(ptrs, (act * u).to(dt), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -140,14 +156,15 @@ def down_splits(hidden: int, sms: int) -> int:
     return max(1, min(DOWN_SPLITS, sms // -(-hidden // DOWN_BLOCK[0])))
 
 
-def gate_up_silu(x_TD: torch.Tensor, gate_up_ND: torch.Tensor) -> torch.Tensor:
-    """``silu(x gate^T) * (x up^T)`` [T, I] for ``gate_up_ND`` = [2I, D] (gate rows, then up rows)."""
+def gate_up_glu(x_TD: torch.Tensor, gate_up_ND: torch.Tensor, *, gelu: bool = False) -> torch.Tensor:
+    """``silu(x gate^T) * (x up^T)`` [T, I] for ``gate_up_ND`` = [2I, D] (gate rows, then up rows); with
+    ``gelu`` the tanh GELU in place of SiLU (GeGLU)."""
     T, D = x_TD.shape
     I = gate_up_ND.shape[0] // 2  # noqa: E741 - the intermediate width
     y_TI = torch.empty(T, I, dtype=x_TD.dtype, device=x_TD.device)
     bn, bk = GATE_UP_BLOCK
-    _gate_up_silu_kernel[(triton.cdiv(I, bn),)](
-        x_TD, gate_up_ND, y_TI, T, D, I, x_TD.stride(0), gate_up_ND.stride(0), y_TI.stride(0),
+    _gate_up_glu_kernel[(triton.cdiv(I, bn),)](
+        x_TD, gate_up_ND, y_TI, T, D, I, x_TD.stride(0), gate_up_ND.stride(0), y_TI.stride(0), GELU=gelu,
         BM=_row_block(T), BN=bn, BK=bk, num_warps=4, num_stages=4,
     )  # fmt: skip
     return y_TI
@@ -179,9 +196,9 @@ def active(x: torch.Tensor) -> bool:
     return _SWITCH.on and x.is_cuda
 
 
-def partials(x_TD: torch.Tensor, gate_up: FusedRows, down: nn.Linear) -> torch.Tensor | None:
-    """The MLP's output as the down projection's fp32 partials [P, T, D] (``fused_ops.add_parts_rms_norm``
-    sums them), or None where these kernels do not serve this call: off, not CUDA, rows ``serves``
+def partials(x_TD: torch.Tensor, gate_up: FusedRows, down: nn.Linear, *, gelu: bool = False) -> torch.Tensor | None:
+    """The MLP's output (``gelu``: a GeGLU MLP's) as the down projection's fp32 partials [P, T, D]
+    (``fused_ops.add_parts_rms_norm`` sums them), or None where these kernels do not serve this call: off, not CUDA, rows ``serves``
     does not take, a biased or non-16-bit projection, or weights not laid out as one [2I, D] gate/up
     tensor and a [D, I] down weight."""
     if not active(x_TD) or x_TD.dim() != 2:
@@ -203,40 +220,38 @@ def partials(x_TD: torch.Tensor, gate_up: FusedRows, down: nn.Linear) -> torch.T
         or w_d.stride(1) != 1
     ):
         return None
-    return down_parts(gate_up_silu(x_TD, w_gu), w_d)
+    return down_parts(gate_up_glu(x_TD, w_gu, gelu=gelu), w_d)
 
 
 def self_check(device: torch.device | str = "cuda") -> str | None:
-    """The two kernels and the partials' sum against the eager MLP (``F.linear``, SiLU, ``F.linear``) at
-    a few row counts and sizes (one not a multiple of the blocks), in bfloat16 and float16; None when,
+    """The two kernels and the partials' sum against the eager MLP (``F.linear``, SiLU or the tanh GELU,
+    ``F.linear``) at a few row counts and sizes (one not a multiple of the blocks), in bfloat16 and float16; None when,
     against a float64 MLP of the same inputs, their error is within twice the eager one's plus an ulp,
     else what failed."""
     gen = torch.Generator(device="cpu").manual_seed(2)
     cases = [(torch.bfloat16, 1, 896, 4864), (torch.bfloat16, 37, 896, 4864), (torch.bfloat16, 64, 200, 600)]
     try:
         with torch.no_grad():
-            for dtype, rows, d, i in [*cases, (torch.float16, 37, 896, 4864)]:
+            for (dtype, rows, d, i), gelu in itertools.product([*cases, (torch.float16, 37, 896, 4864)], (False, True)):
                 x = torch.randn(rows, d, generator=gen).to(device=device, dtype=dtype)
                 w_gu = (torch.randn(2 * i, d, generator=gen) / d**0.5).to(device=device, dtype=dtype)
                 w_d = (torch.randn(d, i, generator=gen) / i**0.5).to(device=device, dtype=dtype)
-                got = down_parts(gate_up_silu(x, w_gu), w_d).sum(0).to(dtype)
+                got = down_parts(gate_up_glu(x, w_gu, gelu=gelu), w_d).sum(0).to(dtype)
                 gate, up = F.linear(x, w_gu).chunk(2, dim=-1)
-                eager = F.linear(F.silu(gate) * up, w_d)
+                eager = F.linear(eager_glu(gate, up, gelu=gelu), w_d)
                 g64, u64 = F.linear(x.double(), w_gu.double()).chunk(2, dim=-1)
-                ref = F.linear(F.silu(g64) * u64, w_d.double())
+                ref = F.linear(eager_glu(g64, u64, gelu=gelu), w_d.double())
                 e_got, e_eager = (got.double() - ref).abs().max().item(), (eager.double() - ref).abs().max().item()
                 ulp = torch.finfo(dtype).eps * ref.abs().max().item()
                 if e_got > 2 * e_eager + ulp:
-                    return (
-                        f"decode MLP [{rows}, {d}, {i}] {dtype}: error {e_got:.3g} against float64, eager {e_eager:.3g}"
-                    )
+                    return f"decode MLP [{rows}, {d}, {i}] {dtype} (gelu={gelu}): error {e_got:.3g} against float64, eager {e_eager:.3g}"
     except Exception as e:  # noqa: BLE001 - a compiler or driver error disables the kernels
         return f"{type(e).__name__}: {e}"
     return None
 
 
 _SWITCH = fused_ops.KernelSwitch(
-    "the decode MLP's Triton GEMMs (cuBLAS and the SiLU kernel are used)", lambda device: self_check(device)
+    "the decode MLP's Triton GEMMs (cuBLAS and the activation kernel are used)", lambda device: self_check(device)
 )
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from areno.models import cpu_gemm, cpu_train_ops, decode_mlp, fused_linear, fused_ops, inference, moe
@@ -36,7 +35,13 @@ from areno.models.attention import (
     varlen_available,
 )
 from areno.models.config import ModelConfig
-from areno.models.eager_ops import eager_rms_norm, eager_rms_norm_fp32_scale, eager_rms_norm_offset, eager_rope
+from areno.models.eager_ops import (
+    eager_glu,
+    eager_rms_norm,
+    eager_rms_norm_fp32_scale,
+    eager_rms_norm_offset,
+    eager_rope,
+)
 from areno.models.prefix_sharing import SharedPrefixAttention
 from areno.models.tp_plan import TPReduce, check_tp_size
 
@@ -310,35 +315,33 @@ class MLP(nn.Module):
         self.gate_up: fused_linear.FusedRows | None = None
         """Set by ``Decoder.fuse_projections``: gate/up weights as the two halves of one tensor."""
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
-        """Gemma 3's GeGLU: the tanh GELU in place of SiLU (eager: the fused kernels are SiLU's)."""
+        """Gemma 3's GeGLU: the tanh GELU in place of SiLU."""
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        if self.gelu:
-            if self.gate_up is not None and self.gate_up.usable():
-                gate_TI, up_TI = self.gate_up.split(self.gate_up(x_TD))
-            else:
-                gate_TI, up_TI = inference.linear(self.gate_proj, x_TD), inference.linear(self.up_proj, x_TD)
-            return inference.rowwise(self.down_proj, F.gelu(gate_TI, approximate="tanh") * up_TI, self.tp_reduce)
         if self.gate_up is not None and self.gate_up.usable():
             gate_up_TN = self.gate_up(x_TD)  # one GEMM: [T, 2I], gate then up
             if fused_ops.active(x_TD):
-                act = fused_linear.silu_mul_halves(gate_up_TN)
+                act = fused_linear.glu_halves(gate_up_TN, gelu=self.gelu)
             else:
-                gate_TI, up_TI = self.gate_up.split(gate_up_TN)
-                act = F.silu(gate_TI) * up_TI
+                act = eager_glu(*self.gate_up.split(gate_up_TN), gelu=self.gelu)
         elif fused_ops.active(x_TD):
-            act = fused_ops.silu_mul(inference.linear(self.gate_proj, x_TD), inference.linear(self.up_proj, x_TD))
+            gate_TI, up_TI = inference.linear(self.gate_proj, x_TD), inference.linear(self.up_proj, x_TD)
+            act = fused_ops.glu(gate_TI, up_TI, gelu=self.gelu)
         else:
-            act = F.silu(inference.linear(self.gate_proj, x_TD)) * inference.linear(self.up_proj, x_TD)
+            act = eager_glu(
+                inference.linear(self.gate_proj, x_TD), inference.linear(self.up_proj, x_TD), gelu=self.gelu
+            )
         return inference.rowwise(self.down_proj, act, self.tp_reduce)
 
     def decode_partials(self, x_TD: torch.Tensor) -> torch.Tensor | None:
         """This MLP's output as fp32 partials [P, T, D] of its down projection (``decode_mlp``, a CUDA
         decode step's few rows), for the residual add + RMSNorm to sum; None where those kernels do
         not serve (the caller then runs ``forward``)."""
-        if self.tp_reduce is not None or self.gate_up is None or self.gelu or not decode_mlp.active(x_TD):
+        if self.tp_reduce is not None or self.gate_up is None or not decode_mlp.active(x_TD):
             return None
-        return decode_mlp.partials(x_TD, self.gate_up, self.down_proj) if self.gate_up.usable() else None
+        if not self.gate_up.usable():
+            return None
+        return decode_mlp.partials(x_TD, self.gate_up, self.down_proj, gelu=self.gelu)
 
 
 class DecoderLayer(nn.Module):
@@ -529,8 +532,8 @@ class Decoder(nn.Module):
         if isinstance(attn, (PackedCausalAttention, SharedPrefixAttention)):
             self.prepare_attention(attn, x_TD)
         cos_TF, sin_TF = self.rope_at(position_ids_T, x_TD.device, x_TD.dtype)
-        # the fused add + norm kernels norm the sum of a residual add: the pre-norm layout's pair
-        if fused_ops.add_norm_active(x_TD) and self.config.norm_layout == "pre":
+        # the fused add + norm kernels join each residual add with the norms on either side of it
+        if fused_ops.add_norm_active(x_TD):
             return inference.forward_add_norm(self.model.layers, self.model.norm, x_TD, cos_TF, sin_TF, attn)
         return self.forward_layers(x_TD, cos_TF, sin_TF, attn)
 

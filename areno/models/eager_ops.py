@@ -7,6 +7,13 @@ Legend: T = tokens, H = heads, Dh = head dim, F = Dh / 2.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+
+def eager_glu(gate: torch.Tensor, up: torch.Tensor, *, gelu: bool = False) -> torch.Tensor:
+    """A gated MLP's activation times up: ``silu(gate) * up`` (SwiGLU), or with ``gelu`` the tanh GELU
+    (GeGLU, Gemma 3's ``gelu_pytorch_tanh``)."""
+    return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
 
 
 def eager_rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:

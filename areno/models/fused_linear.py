@@ -17,8 +17,8 @@ compiling, and every member still backed by the fused storage; something that re
 storage afterwards (``model.to(...)``, ``load_state_dict(assign=True)``, a storage swap) silently
 sends that layer back to the per-projection path (one warning), never to stale weights.
 
-``silu_mul_halves`` is the MLP's SiLU-and-multiply over the fused [T, 2I] gate/up output: a Triton
-kernel reading both halves in place (``fused_ops.silu_mul`` would first copy each strided half),
+``glu_halves`` is the MLP's gated activation (SiLU or the tanh GELU, times up) over the fused [T, 2I]
+gate/up output: a Triton kernel reading both halves in place (``fused_ops.glu`` would first copy each strided half),
 with the eager op's roundings; ``enable()`` turns it on after a self-check against the eager op.
 
 Legend: T = tokens, D = input features, N = fused output rows, I = intermediate size.
@@ -26,14 +26,15 @@ Legend: T = tokens, D = input features, N = fused output rows, I = intermediate 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from areno.models import cpu_gemm, fused_ops
+from areno.models.eager_ops import eager_glu
 from areno.models.fused_ops import triton
 
 log = logging.getLogger(__name__)
@@ -112,18 +113,18 @@ class FusedRows:
         return y.split(self.sizes, dim=-1)
 
 
-def silu_mul_halves(gate_up_TN: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up_TN`` = [T, 2I] (gate in the first half, up in the second),
-    the SiLU rounded to the dtype first as eager does; for CUDA tensors where ``fused_ops.active``.
-    One Triton kernel reading the halves in place when ``enable()`` passed, else
-    ``fused_ops.silu_mul`` on the two halves (which copies each first)."""
+def glu_halves(gate_up_TN: torch.Tensor, *, gelu: bool = False) -> torch.Tensor:
+    """``silu(gate) * up`` (with ``gelu``: the tanh GELU, GeGLU) for ``gate_up_TN`` = [T, 2I] (gate in
+    the first half, up in the second), the activation rounded to the dtype first as eager does; for
+    CUDA tensors where ``fused_ops.active``. One Triton kernel reading the halves in place when
+    ``enable()`` passed, else ``fused_ops.glu`` on the two halves (which copies each first)."""
     if _SWITCH.on:
-        return _silu_mul_halves_triton(gate_up_TN)
+        return _glu_halves_triton(gate_up_TN, gelu)
     half = gate_up_TN.shape[-1] // 2
-    return fused_ops.silu_mul(gate_up_TN[..., :half], gate_up_TN[..., half:])
+    return fused_ops.glu(gate_up_TN[..., :half], gate_up_TN[..., half:], gelu=gelu)
 
 
-def _silu_mul_halves_triton(gate_up_TN: torch.Tensor) -> torch.Tensor:
+def _glu_halves_triton(gate_up_TN: torch.Tensor, gelu: bool) -> torch.Tensor:
     lead = gate_up_TN.shape[:-1]
     x = gate_up_TN.reshape(-1, gate_up_TN.shape[-1])
     if x.stride(-1) != 1:
@@ -132,23 +133,26 @@ def _silu_mul_halves_triton(gate_up_TN: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, half), dtype=x.dtype, device=x.device)
     if rows and half:
         block = min(1024, triton.next_power_of_2(half))
-        _silu_mul_halves_kernel[(rows, triton.cdiv(half, block))](x, out, x.stride(0), out.stride(0), half, BLOCK=block)
+        _glu_halves_kernel[(rows, triton.cdiv(half, block))](
+            x, out, x.stride(0), out.stride(0), half, GELU=gelu, BLOCK=block
+        )
     return out.view(*lead, half)
 
 
 if triton is not None:
     import triton.language as tl
 
-    _round_to = fused_ops._round_to  # a jit helper the kernel below calls by this global name
+    _round_to = fused_ops._round_to  # jit helpers the kernel below calls by these global names
+    _gate_act = fused_ops._gate_act
 
     @triton.jit
-    def _silu_mul_halves_kernel(X, Y, stride_x, stride_y, I, BLOCK: tl.constexpr):  # noqa: E741 - I: the intermediate width
+    def _glu_halves_kernel(X, Y, stride_x, stride_y, I, GELU: tl.constexpr, BLOCK: tl.constexpr):  # noqa: E741 - I: the intermediate width
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < I
         g = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(X + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
-        act = _round_to(g / (1.0 + tl.exp(-g)), Y.dtype.element_ty)  # eager: silu rounded
+        act = _round_to(_gate_act(g, GELU), Y.dtype.element_ty)  # eager: the activation rounded
         tl.store(Y + row * stride_y + cols, (act * u).to(Y.dtype.element_ty), mask=mask)
 
 
@@ -158,14 +162,14 @@ def self_check(device: torch.device | str = "cuda", dtype: torch.dtype = torch.b
     gen = torch.Generator(device="cpu").manual_seed(0)
     try:
         with torch.no_grad():
-            for rows, half in ((7, 4864), (3, 1000), (1, 13)):
+            for (rows, half), gelu in itertools.product(((7, 4864), (3, 1000), (1, 13)), (False, True)):
                 x = torch.randn(rows, 2 * half + 6, generator=gen).to(device=device, dtype=dtype)[:, 3 : 3 + 2 * half]
-                got = _silu_mul_halves_triton(x)
-                ref = F.silu(x[:, :half]) * x[:, half:]
+                got = _glu_halves_triton(x, gelu)
+                ref = eager_glu(x[:, :half], x[:, half:], gelu=gelu)
                 ulp = torch.finfo(dtype).eps * ref.abs().float().clamp(min=1e-3)
                 if not bool(((got.float() - ref.float()).abs() <= 2 * ulp).all()):
                     return (
-                        f"silu_mul_halves [{rows}, {2 * half}] differs from eager by "
+                        f"glu_halves [{rows}, {2 * half}] (gelu={gelu}) differs from eager by "
                         f"{(got.float() - ref.float()).abs().max().item():.3g}"
                     )
     except Exception as e:  # noqa: BLE001 - a compiler or driver error disables the kernel
@@ -174,13 +178,13 @@ def self_check(device: torch.device | str = "cuda", dtype: torch.dtype = torch.b
 
 
 _SWITCH = fused_ops.KernelSwitch(
-    "fused silu_mul over the gate/up halves (two-copy fallback)", lambda device: self_check(device)
+    "the fused gated activation over the gate/up halves (two-copy fallback)", lambda device: self_check(device)
 )
 
 
 def enable(device: torch.device | str = "cuda") -> bool:
     """Turn the halves kernel on for this process if Triton and CUDA are here and the self-check
-    passes (idempotent); returns whether it is on. Off, CUDA forwards use ``fused_ops.silu_mul``."""
+    passes (idempotent); returns whether it is on. Off, CUDA forwards use ``fused_ops.glu``."""
     return _SWITCH.enable(device)
 
 

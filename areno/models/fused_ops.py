@@ -29,11 +29,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import types
 from collections.abc import Callable, Iterator
 
 import torch
+from torch import nn
 
-from areno.models.eager_ops import eager_rms_norm, eager_rope
+from areno.models.eager_ops import (
+    eager_glu,
+    eager_rms_norm,
+    eager_rms_norm_fp32_scale,
+    eager_rms_norm_offset,
+    eager_rope,
+)
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs have none.
     import triton
@@ -150,21 +158,30 @@ if triton is not None:
         W,
         S,
         Y,
+        WR,
         stride_x,
         stride_r,
         stride_s,
         stride_y,
         D,
         eps,
+        eps_r,
         stride_part,
         BLOCK_D: tl.constexpr,
         NUM_PARTS: tl.constexpr,
+        NORM_R: tl.constexpr,
+        NORM_S: tl.constexpr,
+        SCALE_FP32: tl.constexpr,
+        OFFSET: tl.constexpr,
     ):
         # NUM_PARTS > 0: R holds that many fp32 partial sums of the residual branch (a split GEMM's),
-        # added in order and rounded to the model dtype as the GEMM's own output would be
+        # added in order and rounded to the model dtype as the GEMM's own output would be.
+        # NORM_R: the branch normed (weights WR, scaled in float32) before the add (post and sandwich
+        # norm layouts); NORM_S: the sum normed after it (weights W) and written to Y.
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
         mask = cols < D
+        dt = S.dtype.element_ty
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         if NUM_PARTS == 0:
             r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -172,14 +189,21 @@ if triton is not None:
             r = tl.zeros([BLOCK_D], tl.float32)
             for p in tl.static_range(NUM_PARTS):
                 r += tl.load(R + p * stride_part + row * stride_r + cols, mask=mask, other=0.0)
-            r = _round_to(r, S.dtype.element_ty)
-        s = _round_to(x + r, S.dtype.element_ty)  # eager: the residual add, rounded to the model dtype
-        tl.store(S + row * stride_s + cols, s.to(S.dtype.element_ty), mask=mask)
-        var = tl.sum(s * s, axis=0) / D
-        sn = _round_to(s * tl.math.rsqrt(var + eps), S.dtype.element_ty)
-        w = tl.load(W + cols, mask=mask, other=0.0)
-        y = w.to(tl.float32) * sn
-        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+            r = _round_to(r, dt)
+        if NORM_R:  # eager_rms_norm_fp32_scale / _offset: (OFFSET + w) * (r32 * rsqrt(...)), rounded once
+            var_r = tl.sum(r * r, axis=0) / D
+            wr = tl.load(WR + cols, mask=mask, other=0.0).to(tl.float32) + OFFSET
+            r = _round_to(wr * (r * tl.math.rsqrt(var_r + eps_r)), dt)
+        s = _round_to(x + r, dt)  # eager: the residual add, rounded to the model dtype
+        tl.store(S + row * stride_s + cols, s.to(dt), mask=mask)
+        if NORM_S:
+            var = tl.sum(s * s, axis=0) / D
+            sn = s * tl.math.rsqrt(var + eps)
+            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + OFFSET
+            if not SCALE_FP32:  # eager (Llama): x32 * rsqrt(...), cast, then scaled
+                sn = _round_to(sn, dt)
+            y = w * sn
+            tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rope_kernel(
@@ -294,12 +318,21 @@ if triton is not None:
         tl.store(OUT + offs, u, mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(G, U, Y, n, BLOCK: tl.constexpr):
+    def _gate_act(g, GELU: tl.constexpr):
+        """A gated MLP's activation of fp32 ``g``: SiLU, or with ``GELU`` the tanh GELU, written as
+        g * sigmoid(2y) (= 0.5 g (1 + tanh y), y = sqrt(2 / pi) (g + 0.044715 g^3)): no tanh needed."""
+        if GELU:
+            y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            return g / (1.0 + tl.exp(-2.0 * y))
+        return g / (1.0 + tl.exp(-g))
+
+    @triton.jit
+    def _glu_kernel(G, U, Y, n, GELU: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
-        act = _round_to(g / (1.0 + tl.exp(-g)), Y.dtype.element_ty)  # eager: silu rounded
+        act = _round_to(_gate_act(g, GELU), Y.dtype.element_ty)  # eager: the activation rounded
         tl.store(Y + offs, (act * u).to(Y.dtype.element_ty), mask=mask)
 
 
@@ -353,33 +386,82 @@ def add_parts_rms_norm(
     return _add_rms_norm(x, parts_PTD, weight, eps, parts_PTD.shape[0])
 
 
+def norm_add_norm(
+    x: torch.Tensor, r: torch.Tensor, branch_norm: nn.Module, next_norm: nn.Module | None, *, parts: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``s = x + branch_norm(r)`` and ``next_norm(s)`` (None without ``next_norm``), in one kernel: the
+    post-norm layout's residual add (OLMo 2: the branch normed, then added; ``next_norm`` only after the
+    last layer) and the sandwich layout's (Gemma 3: also the next block's input norm). The norms are
+    ``RMSNorm`` modules that scale in float32, with one weight offset; ``parts``: ``r`` is fp32 partials
+    [P, T, D] summed in order and rounded to x's dtype first (``add_parts_rms_norm``).
+    ``eager_norm_add_norm`` is the reference."""
+    norms = [branch_norm] if next_norm is None else [branch_norm, next_norm]
+    if not all(n.scale_in_float32 or n.offset for n in norms) or len({n.offset for n in norms}) > 1:
+        raise ValueError("norm_add_norm: the norms must scale in float32 and share one weight offset")
+    D = x.shape[-1]
+    if parts:
+        r = r if r.stride(-1) == 1 else r.contiguous()
+    else:
+        r = r.reshape(-1, D)
+        r = r if r.stride(-1) == 1 else r.contiguous()
+    weight, eps = (next_norm.weight, next_norm.eps) if next_norm is not None else (None, 0.0)
+    return _add_rms_norm(
+        x,
+        r,
+        weight,
+        eps,
+        r.shape[0] if parts else 0,
+        branch=(branch_norm.weight, branch_norm.eps),
+        scale_in_float32=True,
+        offset=branch_norm.offset,
+    )
+
+
 def _add_rms_norm(
-    x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, num_parts: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    r: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    num_parts: int,
+    *,
+    branch: tuple[torch.Tensor, float] | None = None,
+    scale_in_float32: bool = False,
+    offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     s = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    y = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    y = None
+    if weight is not None:
+        y_dtype = x.dtype if scale_in_float32 else torch.promote_types(weight.dtype, x.dtype)
+        y = torch.empty(x2.shape, dtype=y_dtype, device=x.device)
+    branch_w, branch_eps = branch if branch is not None else (None, 0.0)
     if x2.shape[0]:
         _add_rms_norm_kernel[(x2.shape[0],)](
             x2,
             r,
-            weight,
+            weight if weight is not None else x2,  # unread without NORM_S
             s,
-            y,
+            y if y is not None else s,
+            branch_w if branch_w is not None else x2,  # unread without NORM_R
             x2.stride(0),
             r.stride(-2),
             s.stride(0),
-            y.stride(0),
+            y.stride(0) if y is not None else 0,
             D,
             eps,
+            branch_eps,
             r.stride(0) if num_parts else 0,
             BLOCK_D=triton.next_power_of_2(D),
             NUM_PARTS=num_parts,
+            NORM_R=branch is not None,
+            NORM_S=weight is not None,
+            SCALE_FP32=scale_in_float32,
+            OFFSET=float(offset),
         )
-    return s.view(*x.shape[:-1], D), y.view(*x.shape[:-1], D)
+    return s.view(*x.shape[:-1], D), (y.view(*x.shape[:-1], D) if y is not None else None)
 
 
 def eager_add_rms_norm(
@@ -390,14 +472,34 @@ def eager_add_rms_norm(
     return s, eager_rms_norm(s, weight, eps)
 
 
+def eager_norm_add_norm(
+    x: torch.Tensor, r: torch.Tensor, branch_norm: nn.Module, next_norm: nn.Module | None, *, parts: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``norm_add_norm`` in eager ops (``parts``: r's fp32 partials summed in order, rounded to x's dtype)."""
+    if parts:
+        r = _eager_parts_sum(r).to(x.dtype).view(x.shape)
+    s = x + _eager_fp32_scale_norm(branch_norm, r)
+    return s, (_eager_fp32_scale_norm(next_norm, s) if next_norm is not None else None)
+
+
+def _eager_fp32_scale_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if norm.offset:
+        return eager_rms_norm_offset(x, norm.weight, norm.eps, norm.offset)
+    return eager_rms_norm_fp32_scale(x, norm.weight, norm.eps)
+
+
+def _eager_parts_sum(parts_PTD: torch.Tensor) -> torch.Tensor:
+    r = parts_PTD[0].float()
+    for p in parts_PTD[1:]:
+        r = r + p
+    return r
+
+
 def eager_add_parts_rms_norm(
     x: torch.Tensor, parts_PTD: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_parts_rms_norm`` in eager ops: the partials summed in order in fp32, rounded to x's dtype."""
-    r = parts_PTD[0].float()
-    for p in parts_PTD[1:]:
-        r = r + p
-    return eager_add_rms_norm(x, r.to(x.dtype).view(x.shape), weight, eps)
+    return eager_add_rms_norm(x, _eager_parts_sum(parts_PTD).to(x.dtype).view(x.shape), weight, eps)
 
 
 def rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
@@ -427,13 +529,14 @@ def rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> tor
     return out
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` (SiLU rounded to the dtype first, as eager), one kernel."""
+def glu(gate: torch.Tensor, up: torch.Tensor, *, gelu: bool = False) -> torch.Tensor:
+    """``silu(gate) * up`` (SwiGLU), or with ``gelu`` ``gelu(gate, approximate="tanh") * up`` (GeGLU),
+    the activation rounded to the dtype first as eager; one kernel."""
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
     n = gate.numel()
     if n:
-        _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024)
+        _glu_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, GELU=gelu, BLOCK=1024)
     return out
 
 
@@ -577,10 +680,13 @@ def self_check(device: torch.device | str = "cuda", dtype: torch.dtype = torch.b
                     f"({int((got != ref).sum())} of {ref.numel()} values)"
                 )
             g, u = rand(7, 4864), rand(7, 4864)
-            got, ref = silu_mul(g, u), torch.nn.functional.silu(g) * u
-            ulp = torch.finfo(dtype).eps * ref.abs().float().clamp(min=1e-3)
-            if not bool(((got.float() - ref.float()).abs() <= 2 * ulp).all()):  # exp may differ by an ulp
-                return f"silu_mul differs from eager by {(got.float() - ref.float()).abs().max().item():.3g}"
+            for gelu in (False, True):
+                got, ref = glu(g, u, gelu=gelu), eager_glu(g, u, gelu=gelu)
+                ulp = torch.finfo(dtype).eps * ref.abs().float().clamp(min=1e-3)
+                if not bool(((got.float() - ref.float()).abs() <= 2 * ulp).all()):  # exp may differ by an ulp
+                    return (
+                        f"glu (gelu={gelu}) differs from eager by {(got.float() - ref.float()).abs().max().item():.3g}"
+                    )
             qkv, slots = rand(6, (14 + 2 * 2) * 64), torch.randperm(40, generator=gen)[:6].to(device)
             k, v = qkv[:, 14 * 64 : 16 * 64].view(6, 2, 64), qkv[:, 16 * 64 :].view(6, 2, 64)  # views, as in a layer
             k_S, v_S = rand(40, 2, 64), rand(40, 2, 64)
@@ -618,6 +724,33 @@ def add_norm_self_check(device: torch.device | str = "cuda", dtype: torch.dtype 
             ulp = torch.finfo(dtype).eps * y_ref.abs().float().clamp(min=1e-3)
             if not bool(((y.float() - y_ref.float()).abs() <= 2 * ulp).all()):
                 return f"add_rms_norm differs from eager by {(y.float() - y_ref.float()).abs().max().item():.3g}"
+            parts = torch.randn(3, 37, 896, generator=gen).to(device)
+            for offset, scale, nxt in ((0.0, True, None), (0.0, True, rand(896)), (1.0, False, rand(896))):
+                norm = types.SimpleNamespace(weight=w, eps=1e-6, offset=offset, scale_in_float32=scale)
+                nxt = (
+                    None
+                    if nxt is None
+                    else types.SimpleNamespace(weight=nxt, eps=1e-5, offset=offset, scale_in_float32=scale)
+                )
+                for branch, split in ((r, False), (parts, True)):
+                    (s, y), (s_ref, y_ref) = (
+                        f(x, branch, norm, nxt, parts=split) for f in (norm_add_norm, eager_norm_add_norm)
+                    )
+                    # an ulp of the normed branch moves s by that much wherever x cancels it, and y with s
+                    s_scale = x.abs().float() + s_ref.abs().float()
+                    checks = [(s, s_ref, s_scale)]
+                    if nxt is not None:
+                        rms = s_ref.float().pow(2).mean(-1, keepdim=True).sqrt()
+                        checks.append(
+                            (y, y_ref, y_ref.abs().float() + (nxt.weight.float() + offset).abs() * s_scale / rms)
+                        )
+                    for got, ref, scale in checks:
+                        ulp = torch.finfo(dtype).eps * scale.clamp(min=1e-3)
+                        if not bool(((got.float() - ref.float()).abs() <= 2 * ulp).all()):
+                            return (
+                                f"norm_add_norm (offset {offset}, parts {split}) differs from eager by "
+                                f"{(got.float() - ref.float()).abs().max().item():.3g}"
+                            )
     except Exception as e:  # noqa: BLE001 - a compiler or driver error disables the kernel
         return f"{type(e).__name__}: {e}"
     return None

@@ -172,7 +172,10 @@ def forward_add_norm(
     """The decoder layers with each residual add and the RMSNorm after it as one op
     (``fused_ops.add_rms_norm``): the post-attention norm, the next layer's input norm, and the
     final norm after the last layer. Same values as the layer-by-layer loop, except where a dense
-    MLP's ``decode_partials`` serves (``decode_mlp``: its GEMMs summed in another order)."""
+    MLP's ``decode_partials`` serves (``decode_mlp``: its GEMMs summed in another order). The
+    post-norm and sandwich layouts (``DecoderLayer.layout``) take ``forward_norm_add_norm``."""
+    if layers[0].layout != "pre":
+        return forward_norm_add_norm(layers, final_norm, x_TD, cos_TF, sin_TF, attn)
     h_TD = layers[0].input_layernorm(x_TD)
     for i, layer in enumerate(layers):
         post = layer.post_attention_layernorm
@@ -184,4 +187,35 @@ def forward_add_norm(
             x_TD, h_TD = fused_ops.add_parts_rms_norm(x_TD, parts_PTD, nxt.weight, nxt.eps)
         else:
             x_TD, h_TD = fused_ops.add_rms_norm(x_TD, layer.mlp(h_TD), nxt.weight, nxt.eps)
+    return h_TD
+
+
+def forward_norm_add_norm(
+    layers: nn.ModuleList,
+    final_norm: nn.Module,
+    x_TD: torch.Tensor,
+    cos_TF: torch.Tensor,
+    sin_TF: torch.Tensor,
+    attn: AttentionBackend,
+) -> torch.Tensor:
+    """``forward_add_norm`` for the layouts that norm each block's output before its residual add
+    (``fused_ops.norm_add_norm``): post (OLMo 2: the sum is the next block's input; the final norm
+    joins the last add) and sandwich (Gemma 3: the sum's norm is the next block's input norm)."""
+    post = layers[0].layout == "post"
+    h_TD = x_TD if post else layers[0].input_layernorm(x_TD)
+    for i, layer in enumerate(layers):
+        mid = None if post else layer.pre_feedforward_layernorm
+        x_TD, h_TD = fused_ops.norm_add_norm(
+            x_TD, layer.self_attn(h_TD, cos_TF, sin_TF, attn), layer.post_attention_layernorm, mid
+        )
+        h_TD = x_TD if post else h_TD
+        last = i + 1 == len(layers)
+        nxt = final_norm if last else None if post else layers[i + 1].input_layernorm
+        parts = getattr(layer.mlp, "decode_partials", None)  # the dense MLP's split down projection
+        parts_PTD = parts(h_TD) if parts is not None else None
+        branch = parts_PTD if parts_PTD is not None else layer.mlp(h_TD)
+        x_TD, h_TD = fused_ops.norm_add_norm(
+            x_TD, branch, layer.post_feedforward_layernorm, nxt, parts=parts_PTD is not None
+        )
+        h_TD = x_TD if h_TD is None else h_TD
     return h_TD

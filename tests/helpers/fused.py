@@ -32,7 +32,8 @@ def emulate_fused_path_on_cpu(monkeypatch) -> None:
     monkeypatch.setattr(fused_ops, "rms_norm", _eager_rms_norm)
     monkeypatch.setattr(fused_ops, "rope", _cpu_rope)
     monkeypatch.setattr(fused_ops, "add_rms_norm", fused_ops.eager_add_rms_norm)
-    monkeypatch.setattr(fused_ops, "silu_mul", lambda g, u: torch.nn.functional.silu(g) * u)
+    monkeypatch.setattr(fused_ops, "norm_add_norm", fused_ops.eager_norm_add_norm)
+    monkeypatch.setattr(fused_ops, "glu", fused_ops.eager_glu)
     monkeypatch.setattr(
         fused_ops,
         "write_kv",

@@ -4,6 +4,8 @@ a float64 one, bit-for-bit repeatable, inside a CUDA graph and through the rollo
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,18 +15,18 @@ from areno.models.attention import PackedCausalAttention
 from tests.helpers.fused import emulate_fused_path_on_cpu
 
 
-def _eager_gate_up_silu(x_TD, gate_up_ND):
+def _eager_gate_up_glu(x_TD, gate_up_ND, gelu=False):
     gate, up = F.linear(x_TD, gate_up_ND).chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return fused_ops.eager_glu(gate, up, gelu=gelu)
 
 
 def _eager_down_parts(a_TI, down_DI, parts=3):
     return torch.stack([F.linear(a, w).float() for a, w in zip(a_TI.chunk(parts, -1), down_DI.chunk(parts, -1))])
 
 
-def _model(dtype, fused=True):
+def _model(dtype, fused=True, arch="qwen2"):
     torch.manual_seed(0)
-    config = tiny_config(64, hidden_size=32, layers=3, heads=4, kv_heads=2, initializer_range=0.2)
+    config = tiny_config(64, arch=arch, hidden_size=32, layers=3, heads=4, kv_heads=2, initializer_range=0.2)
     model = Decoder(config).to(dtype).eval()
     if fused:
         model.fuse_projections()
@@ -38,12 +40,13 @@ def test_off_on_cpu_and_without_the_switch():
     assert model.model.layers[0].mlp.decode_partials(x) is None
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "olmo2", "gemma3"])  # SwiGLU pre- and post-norm, GeGLU sandwich
 @pytest.mark.parametrize("rows,served", [(19, True), (decode_mlp.MAX_ROWS + 1, False)])
-def test_routing_sums_the_partials_into_the_residual_norm(monkeypatch, rows, served):
+def test_routing_sums_the_partials_into_the_residual_norm(monkeypatch, rows, served, arch):
     """With the kernels' eager references on CPU: a forward of up to ``MAX_ROWS`` rows takes the
     partials through ``add_parts_rms_norm`` (same logits as the eager forward up to the partials' sum
     order), more rows keep the MLP's own forward; an unfused model never takes it."""
-    model = _model(torch.bfloat16)
+    model = _model(torch.bfloat16, arch=arch)
     ids = torch.randint(0, 64, (rows,))
     pos = torch.arange(rows)
     cu = torch.tensor([0, rows])
@@ -53,16 +56,20 @@ def test_routing_sums_the_partials_into_the_residual_norm(monkeypatch, rows, ser
         calls = []
         monkeypatch.setattr(decode_mlp, "active", lambda x: True)
         monkeypatch.setattr(decode_mlp, "_sm_count", lambda device: 132)
-        monkeypatch.setattr(decode_mlp, "gate_up_silu", _eager_gate_up_silu)
+        gelus = []
+        monkeypatch.setattr(
+            decode_mlp, "gate_up_glu", lambda x, w, gelu: gelus.append(gelu) or _eager_gate_up_glu(x, w, gelu)
+        )
         monkeypatch.setattr(decode_mlp, "down_parts", lambda a, w: calls.append(a.shape[0]) or _eager_down_parts(a, w))
         monkeypatch.setattr(fused_ops, "add_parts_rms_norm", fused_ops.eager_add_parts_rms_norm)
         got = model.logits(model(ids, pos, PackedCausalAttention(cu))).float()
         assert calls == ([rows] * 3 if served else [])
+        assert gelus == ([arch == "gemma3"] * 3 if served else [])
         assert (got - ref).abs().max().item() < 0.05  # bf16: the down projection's sum in another order
         if not served:
             assert torch.equal(got, ref)
         calls.clear()
-        _model(torch.bfloat16, fused=False)(ids, pos, PackedCausalAttention(cu))
+        _model(torch.bfloat16, fused=False, arch=arch)(ids, pos, PackedCausalAttention(cu))
         assert calls == []  # no fused gate/up weight: the MLP's forward
 
 
@@ -95,12 +102,14 @@ def test_kernels_match_the_eager_mlp_and_repeat_bit_for_bit():
     assert decode_mlp.self_check() is None
     g = torch.Generator().manual_seed(0)
     cases = [(torch.bfloat16, 1, 896, 4864), (torch.bfloat16, 8, 896, 4864), (torch.bfloat16, 64, 1536, 8960)]
-    for dt, rows, d, i in [*cases, (torch.bfloat16, 33, 100, 300), (torch.float16, 16, 896, 4864)]:
+    for (dt, rows, d, i), gelu in itertools.product(
+        [*cases, (torch.bfloat16, 33, 100, 300), (torch.float16, 16, 896, 4864)], (False, True)
+    ):
         x = torch.randn(rows, d, generator=g).cuda().to(dt)
         w_gu = (torch.randn(2 * i, d, generator=g) / d**0.5).cuda().to(dt)
         w_d = (torch.randn(d, i, generator=g) / i**0.5).cuda().to(dt)
-        act = decode_mlp.gate_up_silu(x, w_gu)
-        ref_act = _eager_gate_up_silu(x, w_gu)
+        act = decode_mlp.gate_up_glu(x, w_gu, gelu=gelu)
+        ref_act = _eager_gate_up_glu(x, w_gu, gelu)
         # the GEMM's sum order may move a rounding of gate or up: within a few bf16 ulps
         torch.testing.assert_close(act.float(), ref_act.float(), rtol=0.03, atol=0.03)
         parts = decode_mlp.down_parts(act, w_d)
@@ -116,11 +125,12 @@ def test_kernels_match_the_eager_mlp_and_repeat_bit_for_bit():
 
 @gpu
 @needs_cuda
-def test_decode_forward_close_to_eager_and_graph_capturable(monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])  # SwiGLU, GeGLU
+def test_decode_forward_close_to_eager_and_graph_capturable(monkeypatch, arch):
     """A bf16 decoder's no-grad forward of a few rows takes the kernels inside ``inference()`` (the
     same logits as the eager forward up to bf16 roundings), also replayed from a CUDA graph."""
     torch.manual_seed(0)
-    config = tiny_config(512, hidden_size=256, layers=4, heads=8, kv_heads=2, initializer_range=0.05)
+    config = tiny_config(512, arch=arch, hidden_size=256, layers=4, heads=8, kv_heads=2, initializer_range=0.05)
     model = Decoder(config).cuda().to(torch.bfloat16).eval()
     model.fuse_projections()
     ids = torch.randint(0, 512, (24,), device="cuda")

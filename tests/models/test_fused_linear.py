@@ -224,18 +224,19 @@ gpu = pytest.mark.gpu
 
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_silu_mul_halves_kernel_matches_eager_on_gpu():
+@pytest.mark.parametrize("gelu", [False, True])  # SwiGLU, GeGLU
+def test_glu_halves_kernel_matches_eager_on_gpu(gelu):
     assert fused_linear.self_check() is None
     assert fused_linear.enable()
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for rows, half in ((64, 4864), (1, 13), (3000, 1000)):
             x = torch.randn(rows, 2 * half, generator=g).to("cuda", dtype)
-            got = fused_linear.silu_mul_halves(x)
-            ref = F.silu(x[:, :half]) * x[:, half:]
+            got = fused_linear.glu_halves(x, gelu=gelu)
+            ref = fused_ops.eager_glu(x[:, :half], x[:, half:], gelu=gelu)
             torch.testing.assert_close(got, ref, rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
             # Bit for bit what the existing kernel gives on copied halves.
-            assert torch.equal(got, fused_ops.silu_mul(x[:, :half], x[:, half:]))
+            assert torch.equal(got, fused_ops.glu(x[:, :half], x[:, half:], gelu=gelu))
 
 
 @gpu

@@ -110,9 +110,13 @@ def test_self_check_and_kernels_match_eager():
         k_view = qkv[:, 12 * 128 : 24 * 128].view(9, 12, 128)
         torch.testing.assert_close(fused_ops.rope(k_view, cos, sin), eager_rope(k_view, cos, sin), **tol)
         g, u = torch.randn(5, 8960, device="cuda", dtype=dtype), torch.randn(5, 8960, device="cuda", dtype=dtype)
-        torch.testing.assert_close(
-            fused_ops.silu_mul(g, u), torch.nn.functional.silu(g) * u, rtol=2 * torch.finfo(dtype).eps, atol=1e-6
-        )
+        for gelu in (False, True):  # SwiGLU, GeGLU
+            torch.testing.assert_close(
+                fused_ops.glu(g, u, gelu=gelu),
+                fused_ops.eager_glu(g, u, gelu=gelu),
+                rtol=2 * torch.finfo(dtype).eps,
+                atol=1e-6,
+            )
 
 
 @gpu
@@ -206,9 +210,10 @@ def test_add_norm_stays_off_without_the_fused_kernels():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fused_projections", [True, False])
-def test_fused_kernel_routing_equals_the_eager_forward(monkeypatch, dtype, fused_projections):
+@pytest.mark.parametrize("arch", ["qwen2", "olmo2", "gemma3"])  # pre, post and sandwich norms
+def test_fused_kernel_routing_equals_the_eager_forward(monkeypatch, dtype, fused_projections, arch):
     torch.manual_seed(0)
-    config = tiny_config(64, hidden_size=32, layers=3, heads=4, kv_heads=2, initializer_range=0.2)
+    config = tiny_config(64, arch=arch, hidden_size=32, layers=3, heads=4, kv_heads=2, initializer_range=0.2)
     model = Decoder(config).to(dtype).eval()
     if fused_projections:
         model.fuse_projections()
