@@ -27,14 +27,28 @@ class AttentionBackend(Protocol):
     ``q_THD``: [T, Hq, Dh]; ``k_THD``, ``v_THD``: [T, Hkv, Dh] (after RoPE). Returns [T, Hq, Dh].
     The backend handles GQA (Hq a multiple of Hkv) and uses the scale 1/sqrt(Dh).
 
-    A backend may also have ``attend_rotary(layer_idx, qkv_TN, Hq, Hkv, cos_TF, sin_TF)``: the same
-    attention from a fused q/k/v product before RoPE, or None when it cannot serve it (the decoder
-    then rotates and calls the backend); the rollout engine's ``PagedAttention`` has one.
+    A backend may also have ``attend_rotary(layer_idx, qkv_TN, Hq, Hkv, cos_TF, sin_TF, qk_norm=None)``:
+    the same attention from a fused q/k/v product before RoPE (with ``qk_norm``, a ``HeadNorms``, before
+    its per-head norms too), or None when it cannot serve it (the decoder then norms, rotates and calls
+    the backend); the rollout engine's ``PagedAttention`` has one.
     """
 
     def __call__(
         self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor
     ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class HeadNorms:
+    """Per-head RMSNorms of q and k before RoPE (``AttentionBackend.attend_rotary``'s ``qk_norm``): weights [Dh],
+    ``eps``, a weight ``offset`` (Gemma 3's weights are offsets from 1) and the scaling order
+    (``scale_in_float32``: scaled in float32 and rounded once; else rounded, scaled, rounded)."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+    offset: float = 0.0
+    scale_in_float32: bool = False
 
 
 SDPA_MASK_MAX_TOKENS = 2048

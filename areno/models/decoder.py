@@ -31,6 +31,7 @@ from areno.models.attention import (
     FLEX_MIN_HEAD_DIM,
     SDPA_MASK_MAX_TOKENS,
     AttentionBackend,
+    HeadNorms,
     PackedCausalAttention,
     varlen_available,
 )
@@ -278,6 +279,25 @@ class Attention(nn.Module):
             q_THD, k_THD = qk_THD[:, :hq], qk_THD[:, hq:]
         else:
             if self.qk_norm_heads:
+                rotary = getattr(attn, "attend_rotary", None)
+                if (
+                    rotary is not None
+                    and qkv_TN is not None
+                    and self.q_scale == 1.0
+                    and _autocast_dtype(x_TD.device.type) is None
+                ):
+                    # the rollout engine's paged decode step norms, rotates and writes K/V in its kernel
+                    out_THD = rotary(
+                        self.layer_idx,
+                        qkv_TN,
+                        q_THD.shape[1],
+                        k_THD.shape[1],
+                        cos_TF,
+                        sin_TF,
+                        qk_norm=self.head_norms(),
+                    )
+                    if out_THD is not None:
+                        return inference.rowwise(self.o_proj, out_THD.reshape(T, -1), self.tp_reduce)
                 q_THD = self.q_norm(q_THD)
                 k_THD = self.k_norm(k_THD)
             q_THD = apply_rope(q_THD, cos_TF, sin_TF)
@@ -286,6 +306,12 @@ class Attention(nn.Module):
             q_THD = q_THD * self.q_scale
         out_THD = attn(self.layer_idx, *_in_autocast_dtype(q_THD, k_THD, v_THD))
         return inference.rowwise(self.o_proj, out_THD.reshape(T, -1), self.tp_reduce)
+
+    def head_norms(self) -> HeadNorms:
+        """q's and k's per-head norms as ``attend_rotary`` takes them (one eps, offset and order: both
+        are built from the same config fields)."""
+        q, k = self.q_norm, self.k_norm
+        return HeadNorms(q.weight, k.weight, q.eps, q.offset, scale_in_float32=bool(q.scale_in_float32 or q.offset))
 
 
 def _in_autocast_dtype(*xs_THD: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from areno.models import fused_ops
-from areno.models.attention import varlen_causal, varlen_features
+from areno.models.attention import HeadNorms, varlen_causal, varlen_features
 from areno.rollout.fused_loop import new_token_slots_torch
 from areno.rollout.kv_cache import KVCache
 from areno.rollout.paged_decode import paged_decode, paged_decode_rotary, triton_available
@@ -218,9 +218,9 @@ class LayerWindowAttention:
     def __call__(self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
         return self._of(layer_idx)(layer_idx, q_THD, k_THD, v_THD)
 
-    def attend_rotary(self, layer_idx: int, *args: Any) -> torch.Tensor | None:
+    def attend_rotary(self, layer_idx: int, *args: Any, **kwargs: Any) -> torch.Tensor | None:
         """``PagedAttention.attend_rotary`` of the layer's kind."""
-        return self._of(layer_idx).attend_rotary(layer_idx, *args)
+        return self._of(layer_idx).attend_rotary(layer_idx, *args, **kwargs)
 
 
 def _block_tables_BN(chunks: list[SeqChunk]) -> torch.Tensor:
@@ -456,17 +456,23 @@ class PagedAttention:
         num_kv_heads: int,
         cos_TF: torch.Tensor,
         sin_TF: torch.Tensor,
+        qk_norm: HeadNorms | None = None,
     ) -> torch.Tensor | None:
         """Attention of a fused q/k/v product before RoPE (``AttentionBackend``'s optional form): q and
         k rotated and K/V written into the pools by one kernel (``fused_ops.rope_write_kv``) instead
         of a RoPE and a pool write. None where that kernel does not serve (the caller then rotates and
-        calls the backend), or where the CPU decode carry needs this step's K/V as tensors."""
+        calls the backend), or where the CPU decode carry needs this step's K/V as tensors.
+        ``qk_norm``: q's and k's per-head norms before RoPE, served in a pure paged decode step only
+        (inside the decode kernel); None elsewhere."""
         k_S, v_S = self.cache.k_S[layer_idx], self.cache.v_S[layer_idx]
         if (self.decode is not None and self.decode.carry is not None) or not fused_ops.rope_write_fits(
             qkv_TN, cos_TF, k_S, v_S
         ):
             return None
-        if self.paged is not None and self.prefill is None and triton_available():
+        pure_paged = self.paged is not None and self.prefill is None and triton_available()
+        if qk_norm is not None and not pure_paged:
+            return None
+        if pure_paged:
             # a pure paged decode step: RoPE and the K/V write inside the decode kernel (one launch fewer)
             p = self.paged
             return paged_decode_rotary(
@@ -482,6 +488,7 @@ class PagedAttention:
                 p.ctx_B,
                 self.cache.block_size,
                 p.sliding_window,
+                qk_norm=qk_norm,
             )
         q_THD = fused_ops.rope_write_kv(
             qkv_TN, num_q_heads, num_kv_heads, cos_TF, sin_TF, k_S, v_S, self.slot_mapping_T

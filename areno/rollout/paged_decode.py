@@ -36,6 +36,8 @@ import math
 
 import torch
 
+from areno.models.attention import HeadNorms
+
 try:  # Triton ships with CUDA builds of torch; CPU-only installs have none.
     import triton
     import triton.language as tl
@@ -127,6 +129,15 @@ if triton is not None:
 
     # One unit on purpose: the kernel body is one program's online softmax; split into jit helpers it reads worse.
     @triton.jit
+    def _head_normed(x, rs, w, dt: tl.constexpr, FP32: tl.constexpr):
+        """``fused_ops.rms_norm``'s output for fp32 ``x`` of inverse RMS ``rs`` and weight (+ offset)
+        ``w``, kept in fp32: scaled in float32 and rounded once, or (Llama's order) rounded, scaled,
+        rounded."""
+        if FP32:
+            return _round_to(w * (x * rs), dt)
+        return _round_to(w * _round_to(x * rs, dt), dt)
+
+    @triton.jit
     def _paged_decode_kernel(
         q_ptr,
         k_ptr,
@@ -157,6 +168,9 @@ if triton is not None:
         stride_ct,
         slot_ptr,
         num_kv_heads,
+        qn_ptr,
+        kn_ptr,
+        norm_eps,
         BLOCK_SIZE: tl.constexpr,
         G: tl.constexpr,
         BLOCK_G: tl.constexpr,
@@ -167,12 +181,17 @@ if triton is not None:
         IEEE: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         ROTARY: tl.constexpr,
+        QK_NORM: tl.constexpr,
+        NORM_FP32: tl.constexpr,
+        NORM_OFFSET: tl.constexpr,
     ):
         # Program (b, kvh, split): the query heads of KV head kvh of sequence b over split-th share
         # of its key tiles. NUM_SPLITS == 1 writes the output; otherwise the unnormalised partial
         # (acc, running max, sum) for _combine_kernel. ROTARY: q_ptr is the fused q/k/v product
         # before RoPE; q and the new key are rotated here, the new K/V written to the pool by the
         # last split, which also attends the new key from registers (the others read keys < pos).
+        # QK_NORM (with ROTARY): each head of q and the new key RMS-normed first (weights qn / kn,
+        # Qwen3's and Gemma 3's per-head norms), with the norm kernel's roundings.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -195,11 +214,23 @@ if triton is not None:
             q_ok = g_ok[:, None] & d_ok[None, :]
             x = tl.load(q_row + q_off, mask=q_ok, other=0.0).to(tl.float32)
             xp = tl.load(q_row + q_head + partner[None, :], mask=q_ok, other=0.0).to(tl.float32)
+            if QK_NORM:  # the partner column is the same head's: one inverse RMS serves both
+                rs = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + norm_eps)[:, None]
+                wq = tl.load(qn_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32) + NORM_OFFSET
+                wqp = tl.load(qn_ptr + partner, mask=d_ok, other=0.0).to(tl.float32) + NORM_OFFSET
+                x = _head_normed(x, rs, wq[None, :], dt, NORM_FP32)
+                xp = _head_normed(xp, rs, wqp[None, :], dt, NORM_FP32)
             # rope_write_kv's roundings: each product, then the sum, in the model dtype
             q = (_round_to(x * c[None, :], dt) + sgn[None, :] * _round_to(xp * sn[None, :], dt)).to(dt)
             k_row = q_row + (num_q_heads + kvh) * D
             kx = tl.load(k_row + offs_d, mask=d_ok, other=0.0).to(tl.float32)
             kxp = tl.load(k_row + partner, mask=d_ok, other=0.0).to(tl.float32)
+            if QK_NORM:
+                rs_k = tl.math.rsqrt(tl.sum(kx * kx, axis=0) / D + norm_eps)
+                wk = tl.load(kn_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32) + NORM_OFFSET
+                wkp = tl.load(kn_ptr + partner, mask=d_ok, other=0.0).to(tl.float32) + NORM_OFFSET
+                kx = _head_normed(kx, rs_k, wk, dt, NORM_FP32)
+                kxp = _head_normed(kxp, rs_k, wkp, dt, NORM_FP32)
             k_new = (_round_to(kx * c, dt) + sgn * _round_to(kxp * sn, dt)).to(dt)
             v_new = tl.load(q_row + (num_q_heads + num_kv_heads + kvh) * D + offs_d, mask=d_ok, other=0.0)
         else:
@@ -369,6 +400,7 @@ def paged_decode_rotary(
     tile: int = 64,
     num_splits: int | None = None,
     num_stages: int = NUM_STAGES,
+    qk_norm: HeadNorms | None = None,
 ) -> torch.Tensor:
     """A decode step's attention from its fused q/k/v product before RoPE (``qkv_BN``: [B, (Hq + 2
     Hkv) Dh], one new token per sequence at position ``ctx - 1``): what ``fused_ops.rope_write_kv``
@@ -376,7 +408,8 @@ def paged_decode_rotary(
     that kernel's roundings, the new K/V written at ``slot_B``). Call only where
     ``fused_ops.rope_write_fits`` holds (one dtype, contiguous pools and columns). ``num_splits`` as
     ``paged_decode_triton``'s; ``num_stages``: the key loop's pipelining stages (``bench.paged_decode``
-    times both). Returns [B, Hq, Dh]."""
+    times both). ``qk_norm``: each head of q and the new key RMS-normed before RoPE (Qwen3, Gemma 3).
+    Returns [B, Hq, Dh]."""
     if triton is None:
         raise RuntimeError("paged_decode_rotary needs triton")
     if k_S.shape[1] != num_kv_heads or qkv_BN.shape[1] != (num_q_heads + 2 * num_kv_heads) * k_S.shape[2]:
@@ -384,8 +417,13 @@ def paged_decode_rotary(
             f"paged_decode_rotary: q/k/v width {qkv_BN.shape[1]} and pool heads {k_S.shape[1]} do not match "
             f"{num_q_heads} query and {num_kv_heads} KV heads of dim {k_S.shape[2]}"
         )
+    dh = k_S.shape[2]
+    if qk_norm is not None and not all(
+        w.shape == (dh,) and w.is_contiguous() for w in (qk_norm.q_weight, qk_norm.k_weight)
+    ):
+        raise ValueError(f"paged_decode_rotary: qk_norm weights must be contiguous [{dh}] (one head's)")
     cos_BF, sin_BF = cos_BF.contiguous(), sin_BF.contiguous()
-    rotary = (cos_BF, sin_BF, slot_B)
+    rotary = (cos_BF, sin_BF, slot_B, qk_norm)
     return _run_decode(
         qkv_BN, num_q_heads, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window, tile, num_splits, rotary, num_stages
     )
@@ -463,12 +501,14 @@ def _launch_decode(
     Hkv = k_S.shape[1]
     G = Hq // Hkv
     part_acc, part_m, part_l = parts
+    norms = None
     if rotary is None:
         stride_qb, stride_qh = q.stride(0), q.stride(1)
         cos_BF = sin_BF = slot_B = ctx_B  # unused
     else:
         stride_qb, stride_qh = q.stride(0), Dh
-        cos_BF, sin_BF, slot_B = rotary
+        cos_BF, sin_BF, slot_B, norms = rotary
+    qn_w, kn_w = (norms.q_weight, norms.k_weight) if norms is not None else (ctx_B, ctx_B)  # unused without
     _paged_decode_kernel[(B, Hkv, num_splits)](
         q,
         k_S,
@@ -499,6 +539,9 @@ def _launch_decode(
         cos_BF.stride(0),
         slot_B,
         Hkv,
+        qn_w,
+        kn_w,
+        norms.eps if norms is not None else 0.0,
         BLOCK_SIZE=block_size,
         G=G,
         BLOCK_G=max(16, triton.next_power_of_2(G)),
@@ -509,6 +552,9 @@ def _launch_decode(
         IEEE=k_S.dtype == torch.float32,  # no TF32 for fp32 pools: parity with the gather path
         NUM_SPLITS=num_splits,
         ROTARY=rotary is not None,
+        QK_NORM=norms is not None,
+        NORM_FP32=norms is not None and norms.scale_in_float32,
+        NORM_OFFSET=float(norms.offset) if norms is not None else 0.0,
         num_warps=NUM_WARPS,
         num_stages=num_stages,
     )

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from areno.models.eager_ops import eager_rms_norm, eager_rms_norm_offset
 from areno.rollout.attention import PagedAttention
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.rollout.kv_cache import KVCache
@@ -291,6 +292,7 @@ def _fake_triton():
     tl.max = lambda x, axis: x.amax(axis)
     tl.sum = lambda x, axis: x.sum(axis)
     tl.exp = torch.exp
+    tl.math = types.SimpleNamespace(rsqrt=torch.rsqrt)
 
     def load(ptr, mask=None, other=0.0):
         off = torch.as_tensor(ptr.off)
@@ -310,6 +312,9 @@ def _fake_triton():
     class Launcher:
         def __init__(self, fn) -> None:
             self.fn = fn
+
+        def __call__(self, *args, **kw):  # a jit helper called from a kernel
+            return self.fn(*args, **kw)
 
         def __getitem__(self, grid):
             def launch(*args, num_warps=None, num_stages=None, **kw):
@@ -394,10 +399,11 @@ def test_triton_kernel_code_emulated_on_cpu(emulated_kernel_module, window, hq, 
     )
 
 
-def _rotary_case(cache, hq, ctx, N, window, seed, dtype):
+def _rotary_case(cache, hq, ctx, N, window, seed, dtype, norms=None):
     """A decode step's fused q/k/v rows, RoPE tables and new-token slots for contexts ``ctx`` (the
     last row then runs past its table), and what ``rope_write_kv`` + ``paged_decode_torch`` give:
-    (args, reference output, reference pools)."""
+    (args, reference output, reference pools). ``norms`` (a ``HeadNorms``): q's and k's heads normed
+    first, by the eager RMSNorm of that order."""
     from areno.models.fused_ops import eager_rope_write_kv
     from areno.rollout.fused_loop import new_token_slots_torch
 
@@ -412,7 +418,17 @@ def _rotary_case(cache, hq, ctx, N, window, seed, dtype):
     cos, sin = angle.cos().to(dev, dtype), angle.sin().to(dev, dtype)
     slot_B = new_token_slots_torch(bt_BN, ctx_B, bs, cache.scratch_block * bs)
     k_ref, v_ref = cache.k_S[0].clone(), cache.v_S[0].clone()
-    q = eager_rope_write_kv(qkv, hq, hkv, cos, sin, k_ref, v_ref, slot_B)
+    qkv_in = qkv
+    if norms is not None:
+        q_heads, k_heads = qkv[:, : hq * dh].view(-1, hq, dh), qkv[:, hq * dh : (hq + hkv) * dh].view(-1, hkv, dh)
+        if norms.scale_in_float32:
+            q_heads = eager_rms_norm_offset(q_heads, norms.q_weight, norms.eps, norms.offset)
+            k_heads = eager_rms_norm_offset(k_heads, norms.k_weight, norms.eps, norms.offset)
+        else:
+            q_heads = eager_rms_norm(q_heads, norms.q_weight, norms.eps)
+            k_heads = eager_rms_norm(k_heads, norms.k_weight, norms.eps)
+        qkv_in = torch.cat([q_heads.flatten(1), k_heads.flatten(1), qkv[:, (hq + hkv) * dh :]], dim=1)
+    q = eager_rope_write_kv(qkv_in, hq, hkv, cos, sin, k_ref, v_ref, slot_B)
     ref = paged_decode_torch(q, k_ref, v_ref, bt_BN, ctx_B, bs, window)
     return (qkv, hq, hkv, cos, sin, cache.k_S[0], cache.v_S[0], slot_B, bt_BN, ctx_B, bs, window), ref, (k_ref, v_ref)
 
@@ -435,6 +451,30 @@ def test_rotary_kernel_code_emulated_on_cpu(emulated_kernel_module, window, hq, 
         emulated_kernel_module.paged_decode_rotary(args[0], hq + 1, *args[2:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0.0, 1.0])  # Qwen3's per-head norms; Gemma 3's (offset weights, float32 scale)
+def test_rotary_kernel_with_head_norms_emulated_on_cpu(emulated_kernel_module, offset, dtype):
+    """q's and the new key's per-head RMSNorms inside the decode kernel: the output and pools of the
+    eager norms, then ``rope_write_kv``, then the torch decode."""
+    from areno.models.attention import HeadNorms
+
+    cache = _random_pool(num_blocks=80, bs=4, hkv=2, dh=8, dtype=dtype)
+    ctx = [1, 4, 16, 17, 45, 33, 70]
+    g = torch.Generator().manual_seed(9)
+    norms = HeadNorms(
+        torch.randn(8, generator=g).to(dtype), torch.randn(8, generator=g).to(dtype), 1e-6, offset, bool(offset)
+    )
+    args, ref, (k_ref, v_ref) = _rotary_case(cache, 6, ctx, 19, None, seed=6, dtype=dtype, norms=norms)
+    out = emulated_kernel_module.paged_decode_rotary(*args, tile=16, num_splits=2, qk_norm=norms)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[:-1].float(), ref[:-1].float(), rtol=0, atol=tol)
+    torch.testing.assert_close(cache.k_S[0].float(), k_ref.float(), rtol=0, atol=tol)
+    assert torch.equal(cache.v_S[0], v_ref)
+    with pytest.raises(ValueError, match="qk_norm weights"):
+        bad = HeadNorms(norms.q_weight[:4], norms.k_weight, 1e-6)
+        emulated_kernel_module.paged_decode_rotary(*args, qk_norm=bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("window", [None, 37])
@@ -449,6 +489,19 @@ def test_rotary_kernel_matches_rope_write_then_decode_on_gpu(window):
         torch.testing.assert_close(out[:-1].float(), ref[:-1].float(), rtol=0, atol=2e-2)
         # the same roundings as rope_write_kv: the pools bit for bit
         assert torch.equal(cache.k_S[0], k_ref) and torch.equal(cache.v_S[0], v_ref)
+    from areno.models.attention import HeadNorms
+
+    g = torch.Generator().manual_seed(1)
+    for offset in (0.0, 1.0):  # Qwen3's per-head norms, Gemma 3's; head dim 256 as Gemma 3's
+        w = [torch.randn(256, generator=g).to("cuda", torch.bfloat16) for _ in range(2)]
+        norms = HeadNorms(w[0], w[1], 1e-6, offset, bool(offset))
+        cache = _random_pool(num_blocks=600, bs=16, hkv=1, dh=256, dtype=torch.bfloat16, device="cuda")
+        ctx = [1, 16, 17, 100, 255, 300, 513, 64, 20]
+        args, ref, (k_ref, v_ref) = _rotary_case(cache, 4, ctx, 40, window, seed=3, dtype=torch.bfloat16, norms=norms)
+        out = paged_decode_rotary(*args, qk_norm=norms)
+        torch.testing.assert_close(out[:-1].float(), ref[:-1].float(), rtol=0, atol=3e-2)
+        torch.testing.assert_close(cache.k_S[0].float(), k_ref.float(), rtol=0.02, atol=2e-2)
+        assert torch.equal(cache.v_S[0], v_ref)
 
 
 def test_held_graph_captures_run_eagerly_with_the_same_tokens():
