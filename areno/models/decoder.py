@@ -263,49 +263,50 @@ class Attention(nn.Module):
         q_THD = q_TN.view(T, -1, self.head_dim)
         k_THD = k_TN.view(T, -1, self.head_dim)
         v_THD = v_TN.view(T, -1, self.head_dim)
-        if not self.use_rope:  # a NoPE layer (SmolLM3) attends with q and k as projected
-            pass
-        elif qkv_TN is not None and not hasattr(self, "q_norm"):
+        if self.use_rope:  # a NoPE layer (SmolLM3) attends with q and k as projected
             hq, hk = q_THD.shape[1], k_THD.shape[1]
-            # the rollout engine's backend rotates q and k and writes K/V to its pools in one kernel
-            rotary = getattr(attn, "attend_rotary", None)
-            if rotary is not None and _autocast_dtype(x_TD.device.type) is None:
-                out_THD = rotary(self.layer_idx, qkv_TN, hq, hk, cos_TF, sin_TF)
-                if out_THD is not None:
-                    return inference.rowwise(self.o_proj, out_THD.reshape(T, -1), self.tp_reduce)
-            # q and k are adjacent columns of one product: one RoPE over their heads (one kernel;
-            # eager, half the ops of two calls: the same products per element)
-            qk_THD = apply_rope(qkv_TN[:, : (hq + hk) * self.head_dim].view(T, hq + hk, self.head_dim), cos_TF, sin_TF)
-            q_THD, k_THD = qk_THD[:, :hq], qk_THD[:, hq:]
-        else:
-            if self.qk_norm_heads:
-                rotary = getattr(attn, "attend_rotary", None)
-                if (
-                    rotary is not None
-                    and qkv_TN is not None
-                    and self.q_scale == 1.0
-                    and _autocast_dtype(x_TD.device.type) is None
-                ):
-                    # the rollout engine's paged decode step norms, rotates and writes K/V in its kernel
-                    out_THD = rotary(
-                        self.layer_idx,
-                        qkv_TN,
-                        q_THD.shape[1],
-                        k_THD.shape[1],
-                        cos_TF,
-                        sin_TF,
-                        qk_norm=self.head_norms(),
-                    )
-                    if out_THD is not None:
-                        return inference.rowwise(self.o_proj, out_THD.reshape(T, -1), self.tp_reduce)
-                q_THD = self.q_norm(q_THD)
-                k_THD = self.k_norm(k_THD)
-            q_THD = apply_rope(q_THD, cos_TF, sin_TF)
-            k_THD = apply_rope(k_THD, cos_TF, sin_TF)
+            out_THD = self._attend_rotary(attn, qkv_TN, hq, hk, cos_TF, sin_TF)
+            if out_THD is not None:
+                return inference.rowwise(self.o_proj, out_THD.reshape(T, -1), self.tp_reduce)
+            if qkv_TN is not None and not hasattr(self, "q_norm"):
+                # q and k are adjacent columns of one product: one RoPE over their heads (one kernel;
+                # eager, half the ops of two calls: the same products per element)
+                qk_THD = apply_rope(
+                    qkv_TN[:, : (hq + hk) * self.head_dim].view(T, hq + hk, self.head_dim), cos_TF, sin_TF
+                )
+                q_THD, k_THD = qk_THD[:, :hq], qk_THD[:, hq:]
+            else:
+                if self.qk_norm_heads:
+                    q_THD = self.q_norm(q_THD)
+                    k_THD = self.k_norm(k_THD)
+                q_THD = apply_rope(q_THD, cos_TF, sin_TF)
+                k_THD = apply_rope(k_THD, cos_TF, sin_TF)
         if self.q_scale != 1.0:
             q_THD = q_THD * self.q_scale
         out_THD = attn(self.layer_idx, *_in_autocast_dtype(q_THD, k_THD, v_THD))
         return inference.rowwise(self.o_proj, out_THD.reshape(T, -1), self.tp_reduce)
+
+    def _attend_rotary(
+        self,
+        attn: AttentionBackend,
+        qkv_TN: torch.Tensor | None,
+        hq: int,
+        hk: int,
+        cos_TF: torch.Tensor,
+        sin_TF: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """The rollout engine's backend from the fused q/k/v product before RoPE (and before per-head
+        q/k norms): q and k rotated and K/V written to its pools in one kernel. None where it does not
+        serve: no such backend or product, autocast, a q scale, or norms over whole projections
+        (OLMo 2's, already applied: q and k are no longer the product's columns)."""
+        rotary = getattr(attn, "attend_rotary", None)
+        if rotary is None or qkv_TN is None or self.q_scale != 1.0 or _autocast_dtype(qkv_TN.device.type) is not None:
+            return None
+        if not hasattr(self, "q_norm"):
+            return rotary(self.layer_idx, qkv_TN, hq, hk, cos_TF, sin_TF)
+        if self.qk_norm_heads:
+            return rotary(self.layer_idx, qkv_TN, hq, hk, cos_TF, sin_TF, qk_norm=self.head_norms())
+        return None
 
     def head_norms(self) -> HeadNorms:
         """q's and k's per-head norms as ``attend_rotary`` takes them (one eps, offset and order: both

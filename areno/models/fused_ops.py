@@ -398,12 +398,8 @@ def norm_add_norm(
     norms = [branch_norm] if next_norm is None else [branch_norm, next_norm]
     if not all(n.scale_in_float32 or n.offset for n in norms) or len({n.offset for n in norms}) > 1:
         raise ValueError("norm_add_norm: the norms must scale in float32 and share one weight offset")
-    D = x.shape[-1]
-    if parts:
-        r = r if r.stride(-1) == 1 else r.contiguous()
-    else:
-        r = r.reshape(-1, D)
-        r = r if r.stride(-1) == 1 else r.contiguous()
+    r = r if parts else r.reshape(-1, x.shape[-1])
+    r = r if r.stride(-1) == 1 else r.contiguous()
     weight, eps = (next_norm.weight, next_norm.eps) if next_norm is not None else (None, 0.0)
     return _add_rms_norm(
         x,
