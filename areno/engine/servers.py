@@ -44,7 +44,6 @@ from areno.launch.servers import (
     free_ports,
     start_servers,
 )
-from areno.models import moe
 from areno.models.config import ModelConfig
 from areno.models.hf_io import read_config
 from areno.rollout.backends.admin import ServerAdmin, admin_for
@@ -53,7 +52,7 @@ from areno.rollout.backends.nccl import NcclWeightTransfer
 from areno.rollout.client import MultiServerRolloutClient
 from areno.rollout.health import HealthMonitor
 from areno.sync.base import full_tensor
-from areno.sync.disk import CheckpointNamedSource
+from areno.sync.disk import CheckpointNamedSource, checkpoint_names_differ
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +264,7 @@ class ServerRolloutSide(RolloutSide):
         if len(paused) < len(self.urls):  # one went away while pausing: the broadcast would hang
             raise RunFailure(f"a {self.backend} server of the NCCL weight-transfer group is gone: {self._lost}")
         source = update.source  # a dense model's names are the checkpoint's already
-        if moe.disk_to_memory(self.policy_config):  # vLLM loads the checkpoint's names: per-expert tensors
+        if checkpoint_names_differ(self.policy_config):  # vLLM loads the checkpoint's names: per-expert tensors
             if self._checkpoint_named is None or self._checkpoint_named.source is not update.source:
                 self._checkpoint_named = CheckpointNamedSource(update.source, self.policy_config)
             source = self._checkpoint_named

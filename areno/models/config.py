@@ -25,6 +25,8 @@ Supported architectures (``architectures[0]`` in ``config.json``) and what sets 
   whose weights are offsets from 1 (``norm_weight_offset``), Qwen3's q/k norms, embeddings scaled by
   sqrt(hidden_size), the tanh GELU, ``query_pre_attn_scalar``, windows in five layers of six with their
   own RoPE base; logit soft-capping and bidirectional attention are refused.
+- ``Gemma3ForConditionalGeneration`` (Gemma 3 4B and larger) read as its text model, ``Gemma3ForCausalLM``
+  (``container``; ``vl_text``): text prompts only, the vision tower kept on disk for the saves.
 
 Both the legacy ``rope_theta``/``rope_scaling`` keys and the ``rope_parameters`` dict of
 transformers 5 are read; ``to_hf`` writes the legacy keys, which every transformers version and
@@ -37,6 +39,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from areno.models import vl_text
 
 # architecture -> HF model_type
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -173,6 +177,10 @@ class ModelConfig:
     vision: dict[str, Any] | None = None
     """Qwen2.5-VL: the ``vision_config`` and image token ids of config.json (``models/vision.py``
     reads them); None for text-only models."""
+    container: dict[str, Any] | None = None
+    """The vision-language checkpoint this text model is part of (Gemma 3 4B and larger: ``vl_text``):
+    ``architecture``, ``config`` (config.json's other keys) and ``source`` (the directory whose vision
+    tower and projector a save copies beside the text weights); None for a model stored alone."""
     num_experts: int = 0
     """Routed experts per sparse layer (HF ``num_experts`` / ``num_local_experts``); 0: a dense model.
     Only the mixture-of-experts architectures (``MOE_ARCHITECTURES``) have experts."""
@@ -237,6 +245,10 @@ class ModelConfig:
                 raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim/2 = {self.head_dim // 2}")
         if (self.vision is not None) != (self.architecture == "Qwen2_5_VLForConditionalGeneration"):
             raise ValueError(f"vision is set exactly for Qwen2_5_VLForConditionalGeneration, not {self.architecture}")
+        if self.container is not None:
+            outer = self.container.get("architecture")
+            if vl_text.TEXT_ARCHITECTURES.get(outer, (None,))[0] != self.architecture:
+                raise ValueError(f"container: {outer!r} holds no {self.architecture} text model")
 
     def _check_arch_flags(self) -> None:
         """Only flag combinations that transformers' class for ``architecture`` can express."""
@@ -436,6 +448,9 @@ class ModelConfig:
         decoder does not implement (non-SiLU activation, per-layer sliding windows, other RoPE types).
         """
         archs = d.get("architectures") or []
+        if archs and archs[0] in vl_text.TEXT_ARCHITECTURES:  # trained as its text model, the rest kept on disk
+            text, container = vl_text.split_config(d)
+            return cls.from_hf(text).replace(container=container)
         if not archs:
             model_type = d.get("model_type")
             by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
@@ -597,6 +612,8 @@ class ModelConfig:
             )
         if self.vision is not None:
             return _nest_vl(d, self)
+        if self.container is not None:
+            return vl_text.nest_config(d, self.container)
         return d
 
     def replace(self, **changes: Any) -> ModelConfig:
@@ -616,15 +633,14 @@ def _rope_per_type(config: ModelConfig) -> dict[str, Any]:
 
 
 _ARCH_HINTS = {
-    "Gemma3ForConditionalGeneration": " (Gemma 3 4B and larger: a vision-language checkpoint; the text-only "
-    "Gemma3ForCausalLM ones, 270M and 1B, load)",
     "Gemma2ForCausalLM": " (Gemma 2's logit soft-capping is not computed)",
 }
 
 
 def _unknown_arch_message(arch: str) -> str:
     hint = _ARCH_HINTS.get(arch, "")
-    return f"unsupported model architecture {arch!r}{hint}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    supported = [*SUPPORTED_ARCHITECTURES, *(f"{a} (its text model)" for a in vl_text.TEXT_ARCHITECTURES)]
+    return f"unsupported model architecture {arch!r}{hint}; supported: {', '.join(supported)}"
 
 
 def _normalized_scaling(rope_scaling: dict[str, Any]) -> dict[str, Any] | None:
@@ -699,7 +715,9 @@ HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
               "rope_theta": 1e4},
     "olmo3": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "attention_bias": False,
               "sliding_window": 4096, "rope_theta": 5e5},
-    "gemma3_text": {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "initializer_range": 0.02, "head_dim": 256,
+    "gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+                    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "initializer_range": 0.02, "head_dim": 256,
                     "num_key_value_heads": 4, "max_position_embeddings": 131072, "attention_bias": False,
                     "sliding_window": 4096, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
                     "rope_theta": 1e6},

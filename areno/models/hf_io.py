@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from torch.overrides import TorchFunctionMode
 
 from areno.errors import ConfigError, ModelDirError, is_of_type, wrong_type
-from areno.models import moe, packed_projections
+from areno.models import moe, packed_projections, vl_text
 from areno.models.config import SEQUENCE_CLASSIFIER_SUFFIX, SUPPORTED_ARCHITECTURES, ModelConfig
 from areno.models.decoder import Decoder
 from areno.models.tp_plan import TPReduce, shard_dim, tp_plan, tp_style
@@ -89,6 +89,8 @@ def read_config(model_dir: str | Path, *, key: str = "model.path") -> ModelConfi
         if config.vision is not None and processor.is_file():  # the image processor's pixel limits
             limits = read_pixel_limits(json.loads(processor.read_text(encoding="utf-8")))
             config = config.replace(vision={**config.vision, **limits})
+        if config.container is not None:  # where a save finds the vision tower it does not hold
+            config = config.replace(container={**config.container, "source": str(model_dir.resolve())})
         return config
     except KeyError as e:
         raise ModelDirError(f"{config_path} has no {e.args[0]!r}: is it the config.json of a decoder LLM?") from None
@@ -263,19 +265,20 @@ def load_model(
         seen.add("lm_head.weight")
     for path in safetensors_files(model_dir):
         with open_safetensors(path) as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES) or (classifier and name in SCORE_HEAD_KEYS):
+            for disk_name in f.keys():
+                name = disk_name if config.container is None else vl_text.text_name(disk_name)
+                if name is None or name.endswith(_IGNORED_SUFFIXES) or (classifier and name in SCORE_HEAD_KEYS):
                     continue
                 if name == "lm_head.weight" and config.tie_word_embeddings:
                     # some tied checkpoints store the duplicate; the embedding is the source (checked below)
-                    stored_head = (f.get_tensor(name), path) if tp_size == 1 else None
+                    stored_head = (f.get_tensor(disk_name), path) if tp_size == 1 else None
                     continue
                 if name in experts:
                     _load_expert_part(f, path, name, experts[name], expected)
                     seen.add(name)
                     continue
                 if name in packed:
-                    for part, tensor in _split_packed(path, name, f.get_tensor(name), packed[name]):
+                    for part, tensor in _split_packed(path, name, f.get_tensor(disk_name), packed[name]):
                         index = _rank_index(part, tuple(tensor.shape), expected[part], plan, tp_rank, tp_size, path)
                         with torch.no_grad():
                             expected[part].copy_(tensor if index is None else tensor[index])
@@ -284,12 +287,16 @@ def load_model(
                     continue
                 if name not in expected:
                     raise ModelDirError(
-                        f"unexpected tensor {name!r} in {path} for {config.architecture} "
+                        f"unexpected tensor {disk_name!r} in {path} for {config.architecture} "
                         f"(the checkpoint does not match config.json)"
                     )
                 target = expected[name]
-                index = _rank_index(name, tuple(f.get_slice(name).get_shape()), target, plan, tp_rank, tp_size, path)
-                tensor = f.get_tensor(name) if index is None else f.get_slice(name)[index]  # only this rank's rows
+                index = _rank_index(
+                    name, tuple(f.get_slice(disk_name).get_shape()), target, plan, tp_rank, tp_size, path
+                )
+                tensor = (
+                    f.get_tensor(disk_name) if index is None else f.get_slice(disk_name)[index]
+                )  # only this rank's rows
                 with torch.no_grad():
                     target.copy_(tensor)
                 seen.add(name)
@@ -311,8 +318,9 @@ def load_model(
             parts[mem] = [disk]
     missing = [p for n in expected if n not in seen for p in parts.get(n, [n]) if p not in seen]
     if missing:
+        first = missing[0] if config.container is None else vl_text.disk_name(missing[0])
         raise ModelDirError(
-            f"tensor {missing[0]!r} is missing from the checkpoint in {model_dir} ({len(missing)} missing in all)"
+            f"tensor {first!r} is missing from the checkpoint in {model_dir} ({len(missing)} missing in all)"
         )
     model.eval()
     return model, config
@@ -378,19 +386,59 @@ def save_state(
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
     state = packed_projections.to_disk_state(config, moe.to_disk_state(config, state))
+    state = vl_text.to_disk_state(config.container, state)
     dtype = next(iter(state.values())).dtype
+    if config.container is not None:  # the vision tower and projector as they came, read before any write
+        state.update(_kept_apart(config.container))
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     hf = config.to_hf()
     hf["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf[k] is not None}
+    ids = {k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    gen = {k: list(v) if isinstance(v, tuple) else v for k, v in ids.items() if v is not None}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     if config.vision is not None:
         processor = processor_config(VisionConfig.from_hf(config.vision))
         (out_dir / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+    if config.container is not None:  # the image processor's files, which transformers' processor reads
+        source = Path(config.container["source"])
+        for name in vl_text.PROCESSOR_FILES:
+            if (source / name).is_file() and not (out_dir / name).exists():
+                (out_dir / name).write_bytes((source / name).read_bytes())
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
     return out_dir
+
+
+def _kept_apart(container: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors of ``container``'s checkpoint its text model does not hold (``vl_text.other_name``),
+    under the names a save writes; a one-line ``ModelDirError`` where that checkpoint is gone."""
+    arch, source = container["architecture"], container.get("source")
+    fix = "point the save at a model read from that directory (hf_io.read_config / load_model)"
+    if source is None:
+        raise ModelDirError(
+            f"saving a {arch} text model needs the checkpoint it came from, for its vision tower: {fix}"
+        )
+    try:
+        files = safetensors_files(source)
+    except ModelDirError as e:
+        raise ModelDirError(
+            f"saving a {arch} text model copies the vision tower from {source}, which is no longer readable ({e}): "
+            "restore that checkpoint directory"
+        ) from None
+    out: dict[str, torch.Tensor] = {}
+    for path in files:
+        with open_safetensors(path) as f:
+            for disk in f.keys():
+                name = vl_text.other_name(disk)
+                if name is not None:
+                    out[name] = f.get_tensor(disk)
+    if not out:
+        raise ModelDirError(
+            f"{source} holds no vision tower or projector tensors for its {arch} config.json: point model.path at the "
+            "whole vision-language checkpoint"
+        )
+    return out
 
 
 def init_model_dir(

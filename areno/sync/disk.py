@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from areno.models import moe
+from areno.models import moe, vl_text
 from areno.models.config import ModelConfig
 from areno.sync.base import PolicySyncTransport, SyncStats, WeightSource, full_tensor
 
@@ -61,11 +61,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def checkpoint_names_differ(config: ModelConfig) -> bool:
+    """Whether a checkpoint of ``config`` stores tensors under other names or layouts than the model holds
+    them (experts one by one, a vision-language checkpoint's text model): ``CheckpointNamedSource`` renames."""
+    return bool(moe.disk_to_memory(config)) or config.container is not None
+
+
 class CheckpointNamedSource(WeightSource):
     """``source`` under the names and layouts of a checkpoint on disk, as ``hf_io.save_model``
     writes them (``moe.to_disk_state``): an expert model's fused tensors (``mlp.experts.gate_up_proj``
     [E, 2I, D], ``mlp.experts.down_proj`` [E, D, I]) as transformers' per-expert ones, Mixtral's router
-    under ``block_sparse_moe``; every other tensor as it comes. What vLLM and SGLang load (their
+    under ``block_sparse_moe``; a vision-language checkpoint's text model under its prefix (``vl_text``);
+    every other tensor as it comes. What vLLM and SGLang load (their
     loaders know the checkpoint's names only), from disk or over their weight-transfer routes.
 
     The plan is ``to_disk_state`` run once, on meta tensors shaped as ``source.meta()``: each tensor it
@@ -87,7 +94,8 @@ class CheckpointNamedSource(WeightSource):
         owner = {id(t): name for name, t in inputs.items()}
         self._plan = {name: [] for name in inputs}
         self._meta = []
-        for disk, t in moe.to_disk_state(self.config, inputs).items():
+        disk_state = vl_text.to_disk_state(self.config.container, moe.to_disk_state(self.config, inputs))
+        for disk, t in disk_state.items():
             if id(t) in owner:
                 self._plan[owner[id(t)]].append((disk, tuple(t.shape), None))
             else:
@@ -141,8 +149,8 @@ class DiskTransport(PolicySyncTransport):
         if max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
         # a dense model's names are the checkpoint's already: no second pass over the weights to plan them
-        experts = model_config is not None and moe.disk_to_memory(model_config)
-        self.source = CheckpointNamedSource(source, model_config) if experts else source
+        renamed = model_config is not None and checkpoint_names_differ(model_config)
+        self.source = CheckpointNamedSource(source, model_config) if renamed else source
         self.root = Path(root)
         self.receivers = list(receivers)
         self.is_writer = is_writer

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from areno.errors import check_config
+from areno.models import vl_text
 from areno.models.config import ModelConfig
 from areno.models.packed_projections import pack_adapter, packed_target_modules
 from areno.train.config import UNADAPTABLE, LoraConfig
@@ -169,7 +170,8 @@ def save_adapter(
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT's layout) under ``path``,
     and a wrapped role's ``head`` (``head_named_weights``) as ``HEAD_FILE`` beside them. With a
     ``model_config`` whose checkpoints pack projections (Phi-3), the parts' adapters are written as
-    adapters of the packed layers (``packed_projections.pack_adapter``)."""
+    adapters of the packed layers (``packed_projections.pack_adapter``); of a vision-language checkpoint's
+    text model (``vl_text``), as adapters of that model's text layers only."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     from peft import LoraConfig as PeftLoraConfig
@@ -178,6 +180,9 @@ def save_adapter(
     if model_config is not None:
         weights, ranks, alphas = pack_adapter(model_config, weights, cfg.rank, cfg.alpha)
         targets = packed_target_modules(model_config, cfg.target_modules)
+    if model_config is not None and model_config.container is not None:  # the text model of a whole checkpoint
+        weights = {vl_text.adapter_name(k): v for k, v in weights.items()}
+        targets = vl_text.adapter_targets(targets)
     save_file({k: v.contiguous().cpu() for k, v in weights.items()}, str(out / "adapter_model.safetensors"))
     if head:  # kept out of the adapter file, which PEFT reads as adapter tensors only
         save_file({k: v.contiguous().cpu() for k, v in head.items()}, str(out / HEAD_FILE))

@@ -150,12 +150,6 @@ def test_what_areno_does_not_compute_is_refused(change, message):
         ModelConfig.from_hf({**_one_b_shape(), **change})
 
 
-def test_gemma3s_vision_language_checkpoints_are_refused_by_name():
-    d = {**_one_b_shape(), "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}
-    with pytest.raises(ValueError, match="Gemma 3 4B and larger: a vision-language checkpoint; the text-only"):
-        ModelConfig.from_hf(d)
-
-
 def test_the_layout_flags_belong_to_gemma3_only():
     with pytest.raises(
         ValueError, match="Gemma3ForCausalLM has norm_weight_offset=1.0, hidden_act='gelu_pytorch_tanh'"
