@@ -25,8 +25,9 @@ Supported architectures (``architectures[0]`` in ``config.json``) and what sets 
   whose weights are offsets from 1 (``norm_weight_offset``), Qwen3's q/k norms, embeddings scaled by
   sqrt(hidden_size), the tanh GELU, ``query_pre_attn_scalar``, windows in five layers of six with their
   own RoPE base; logit soft-capping and bidirectional attention are refused.
-- ``Gemma3ForConditionalGeneration`` (Gemma 3 4B and larger) read as its text model, ``Gemma3ForCausalLM``
-  (``container``; ``vl_text``): text prompts only, the vision tower kept on disk for the saves.
+- ``Gemma3ForConditionalGeneration`` (Gemma 3 4B and larger) and ``Qwen3VLForConditionalGeneration`` read as
+  their text models, ``Gemma3ForCausalLM`` and ``Qwen3ForCausalLM`` (``container``; ``vl_text``): text prompts
+  only, the vision tower kept on disk for the saves.
 
 Both the legacy ``rope_theta``/``rope_scaling`` keys and the ``rope_parameters`` dict of
 transformers 5 are read; ``to_hf`` writes the legacy keys, which every transformers version and
@@ -36,6 +37,7 @@ inference server reads.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -247,7 +249,8 @@ class ModelConfig:
             raise ValueError(f"vision is set exactly for Qwen2_5_VLForConditionalGeneration, not {self.architecture}")
         if self.container is not None:
             outer = self.container.get("architecture")
-            if vl_text.TEXT_ARCHITECTURES.get(outer, (None,))[0] != self.architecture:
+            layout = vl_text.LAYOUTS.get(outer)
+            if layout is None or layout.text_architecture != self.architecture:
                 raise ValueError(f"container: {outer!r} holds no {self.architecture} text model")
 
     def _check_arch_flags(self) -> None:
@@ -448,8 +451,9 @@ class ModelConfig:
         decoder does not implement (non-SiLU activation, per-layer sliding windows, other RoPE types).
         """
         archs = d.get("architectures") or []
-        if archs and archs[0] in vl_text.TEXT_ARCHITECTURES:  # trained as its text model, the rest kept on disk
+        if archs and archs[0] in vl_text.LAYOUTS:  # trained as its text model, the rest kept on disk
             text, container = vl_text.split_config(d)
+            text = _with_hf_defaults(vl_text.LAYOUTS[archs[0]].text_config_type, text)  # its text config class's
             return cls.from_hf(text).replace(container=container)
         if not archs:
             model_type = d.get("model_type")
@@ -613,8 +617,18 @@ class ModelConfig:
         if self.vision is not None:
             return _nest_vl(d, self)
         if self.container is not None:
-            return vl_text.nest_config(d, self.container)
+            return self._container_config()
         return d
+
+    def _container_config(self) -> dict[str, Any]:
+        """The vision-language checkpoint's config.json as read, where it still describes this text model."""
+        original = self.container["config"]
+        if ModelConfig.from_hf(original).replace(container=None) != self.replace(container=None):
+            raise ValueError(
+                f"this {self.architecture} config differs from the text model of the {self.container['architecture']} "
+                "checkpoint it came from, whose config.json a save writes: save it without the container"
+            )
+        return json.loads(json.dumps(original))
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
@@ -639,7 +653,7 @@ _ARCH_HINTS = {
 
 def _unknown_arch_message(arch: str) -> str:
     hint = _ARCH_HINTS.get(arch, "")
-    supported = [*SUPPORTED_ARCHITECTURES, *(f"{a} (its text model)" for a in vl_text.TEXT_ARCHITECTURES)]
+    supported = [*SUPPORTED_ARCHITECTURES, *(f"{a} (its text model)" for a in vl_text.LAYOUTS)]
     return f"unsupported model architecture {arch!r}{hint}; supported: {', '.join(supported)}"
 
 
@@ -721,6 +735,10 @@ HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
                     "num_key_value_heads": 4, "max_position_embeddings": 131072, "attention_bias": False,
                     "sliding_window": 4096, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
                     "rope_theta": 1e6},
+    "qwen3_vl_text": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+                      "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "hidden_act": "silu",
+                      "max_position_embeddings": 128000, "initializer_range": 0.02, "rms_norm_eps": 1e-6,
+                      "attention_bias": False, "rope_theta": 5e5},
     "phi3": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "sliding_window": None,
              "rope_theta": 1e4},
     "smollm3": {**_COMMON, "tie_word_embeddings": True, "max_position_embeddings": 32768, "attention_bias": False,

@@ -266,7 +266,7 @@ def load_model(
     for path in safetensors_files(model_dir):
         with open_safetensors(path) as f:
             for disk_name in f.keys():
-                name = disk_name if config.container is None else vl_text.text_name(disk_name)
+                name = disk_name if config.container is None else vl_text.text_name(config.container, disk_name)
                 if name is None or name.endswith(_IGNORED_SUFFIXES) or (classifier and name in SCORE_HEAD_KEYS):
                     continue
                 if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -318,7 +318,7 @@ def load_model(
             parts[mem] = [disk]
     missing = [p for n in expected if n not in seen for p in parts.get(n, [n]) if p not in seen]
     if missing:
-        first = missing[0] if config.container is None else vl_text.disk_name(missing[0])
+        first = missing[0] if config.container is None else vl_text.disk_name(config.container, missing[0])
         raise ModelDirError(
             f"tensor {first!r} is missing from the checkpoint in {model_dir} ({len(missing)} missing in all)"
         )
@@ -387,12 +387,15 @@ def save_state(
     state = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
     state = packed_projections.to_disk_state(config, moe.to_disk_state(config, state))
     state = vl_text.to_disk_state(config.container, state)
-    dtype = next(iter(state.values())).dtype
+    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    hf = config.to_hf()
+    hf["torch_dtype"] = dtype
+    for part in (hf, hf.get("text_config") or {}):  # transformers 5's key, where the file has it
+        if "dtype" in part:
+            part["dtype"] = dtype
     if config.container is not None:  # the vision tower and projector as they came, read before any write
         state.update(_kept_apart(config.container))
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    hf = config.to_hf()
-    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     ids = {k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     gen = {k: list(v) if isinstance(v, tuple) else v for k, v in ids.items() if v is not None}
@@ -430,7 +433,7 @@ def _kept_apart(container: dict[str, Any]) -> dict[str, torch.Tensor]:
     for path in files:
         with open_safetensors(path) as f:
             for disk in f.keys():
-                name = vl_text.other_name(disk)
+                name = vl_text.other_name(container, disk)
                 if name is not None:
                     out[name] = f.get_tensor(disk)
     if not out:

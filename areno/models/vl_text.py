@@ -1,92 +1,139 @@
-"""The text model of a vision-language checkpoint, trained on its own: Gemma 3 4B and larger
-(``Gemma3ForConditionalGeneration``) read as their text architecture (``Gemma3ForCausalLM``), whose
-prompts are text. The vision tower and the projector are not loaded; a save writes the trained text
-weights beside them, copied from the checkpoint the model came from, with the whole model's config.json,
-so that what comes out is the same vision-language checkpoint with a new text model.
+"""The text model of a vision-language checkpoint, trained on its own with text prompts: Gemma 3 4B and
+larger (``Gemma3ForConditionalGeneration``) read as ``Gemma3ForCausalLM``, Mistral Small 3.1 / 3.2
+(``Mistral3ForConditionalGeneration``) as ``MistralForCausalLM``, Qwen3-VL
+(``Qwen3VLForConditionalGeneration``) as ``Qwen3ForCausalLM``. The vision tower and projector are not
+loaded; a save writes the trained text weights beside them, copied from the checkpoint the model came
+from, under that checkpoint's config.json, so that what comes out is the same vision-language checkpoint
+with a new text model. ``ModelConfig.container`` carries the architecture, the whole config.json and the
+directory the untrained tensors come from (``hf_io.read_config`` sets it).
 
-On disk the text model's tensors sit under ``language_model.model.`` (the checkpoints Gemma 3 was released
-in, and what transformers' ``save_pretrained`` writes still) or ``model.language_model.`` (transformers'
-module names since 4.52); areno reads both and writes the first, which every transformers version, vLLM
-and SGLang read. ``ModelConfig.container`` carries the rest of config.json and
-the directory the untrained tensors come from (``hf_io.read_config`` sets it)."""
+Qwen3-VL's multimodal RoPE turns a text token by the same position in each of its sections, which is the
+plain RoPE of its text model: its ``mrope_section`` / ``mrope_interleaved`` are dropped from the text
+config, and the rollout engine's positions are the text positions."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
-TEXT_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text"),
-}
-"""Vision-language architecture -> (its text architecture, the text config's model_type)."""
 
-_TEXT_PREFIXES = (
-    ("model.language_model.", "model."),
-    ("language_model.model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-)
-"""Disk prefix of a text tensor -> the text model's prefix."""
-_OTHER_PREFIXES = (
-    ("model.vision_tower.", "vision_tower."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-    ("vision_tower.", "vision_tower."),
-    ("multi_modal_projector.", "multi_modal_projector."),
-)
-"""Disk prefix of a tensor the text model does not hold -> where a save writes it."""
+@dataclass(frozen=True)
+class Layout:
+    """How a vision-language checkpoint holds its text model."""
+
+    text_architecture: str
+    """areno's architecture of the text model."""
+    text_model_type: str
+    """Its ``model_type``."""
+    text_config_type: str
+    """The ``model_type`` of the file's ``text_config``."""
+    text_prefixes: tuple[tuple[str, str], ...]
+    """Disk prefix of a text tensor -> the text model's prefix (every form transformers versions wrote)."""
+    other_prefixes: tuple[tuple[str, str], ...]
+    """Disk prefix of a tensor the text model does not hold -> where a save writes it."""
+    save_prefixes: tuple[tuple[str, str], ...]
+    """The text model's prefix -> where a save writes it."""
+    tie_default: bool
+    """Whether the output projection is the embedding where config.json's top level does not say (the
+    vision-language config class's default, which transformers 5 reads over the text config's)."""
+    dropped_rope_keys: tuple[str, ...] = ()
+    """Keys of the text config's RoPE dict the text positions make moot."""
+
+
+LAYOUTS: dict[str, Layout] = {
+    # released as language_model.model.*, which transformers' save_pretrained still writes and every reader reads
+    **{
+        outer: Layout(
+            text_architecture=arch,
+            text_model_type=model_type,
+            text_config_type=model_type,
+            text_prefixes=(
+                ("model.language_model.", "model."),
+                ("language_model.model.", "model."),
+                ("language_model.lm_head.", "lm_head."),
+            ),
+            other_prefixes=(
+                ("model.vision_tower.", "vision_tower."),
+                ("model.multi_modal_projector.", "multi_modal_projector."),
+                ("vision_tower.", "vision_tower."),
+                ("multi_modal_projector.", "multi_modal_projector."),
+            ),
+            save_prefixes=(("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
+            tie_default=True,
+        )
+        for outer, arch, model_type in (
+            ("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM", "gemma3_text"),
+            ("Mistral3ForConditionalGeneration", "MistralForCausalLM", "mistral"),
+        )
+    },
+    "Qwen3VLForConditionalGeneration": Layout(
+        text_architecture="Qwen3ForCausalLM",
+        text_model_type="qwen3",
+        text_config_type="qwen3_vl_text",
+        text_prefixes=(("model.language_model.", "model."),),
+        other_prefixes=(("model.visual.", "model.visual."),),
+        save_prefixes=(("model.", "model.language_model."),),
+        tie_default=False,
+        dropped_rope_keys=("mrope_section", "mrope_interleaved"),
+    ),
+}
 _IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def split_config(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A vision-language config.json as (its text model's config.json dict, the container: the
-    architecture and every other key). The token ids and the tying of the whole model's config win over
-    the text part's, as transformers reads them."""
+    """A vision-language config.json as (its text model's config.json dict, the container). The token ids
+    and the tying of the whole model's config win over the text part's, as transformers reads them."""
     outer = d["architectures"][0]
-    arch, model_type = TEXT_ARCHITECTURES[outer]
+    layout = LAYOUTS[outer]
     text = d.get("text_config")
     if not isinstance(text, dict):
         raise ValueError(f"{outer} config.json has no 'text_config' object (the text model's keys)")
-    if text.get("model_type", model_type) != model_type:
-        raise ValueError(f"{outer} config.json text_config.model_type is {text['model_type']!r}, not {model_type!r}")
-    flat = {**text, "architectures": [arch], "model_type": model_type}
-    for key in (*_IDS, "tie_word_embeddings"):
+    if text.get("model_type", layout.text_config_type) != layout.text_config_type:
+        raise ValueError(
+            f"{outer} config.json text_config.model_type is {text['model_type']!r}, not {layout.text_config_type!r}"
+        )
+    flat = {**text, "architectures": [layout.text_architecture], "model_type": layout.text_model_type}
+    for key in _IDS:
         if d.get(key) is not None:
             flat[key] = d[key]
-    rest = {k: v for k, v in d.items() if k not in ("text_config", "architectures")}
-    return flat, {"architecture": outer, "config": rest}
+    tied = d.get("tie_word_embeddings")
+    flat["tie_word_embeddings"] = layout.tie_default if tied is None else tied
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(flat.get(key), dict) and layout.dropped_rope_keys:
+            flat[key] = {k: v for k, v in flat[key].items() if k not in layout.dropped_rope_keys}
+    return flat, {"architecture": outer, "config": d}
 
 
-def nest_config(text: dict[str, Any], container: dict[str, Any]) -> dict[str, Any]:
-    """The whole model's config.json from its text model's (``ModelConfig.to_hf``) and the container."""
-    text = {k: v for k, v in text.items() if k != "architectures"}
-    out = {"architectures": [container["architecture"]], **container["config"], "text_config": text}
-    for key in (*_IDS, "tie_word_embeddings"):
-        if key in container["config"]:
-            out[key] = text[key]
-    return out
+def layout_of(container: dict[str, Any]) -> Layout:
+    return LAYOUTS[container["architecture"]]
 
 
-def text_name(disk: str) -> str | None:
-    """The text model's name of a tensor stored as ``disk``; None for one it does not hold (the vision
-    tower's, the projector's); ``disk`` itself for any other (which the loader then names as unexpected)."""
-    for prefix, ours in _TEXT_PREFIXES:
-        if disk.startswith(prefix):
-            return ours + disk[len(prefix) :]
-    if any(disk.startswith(prefix) for prefix, _ in _OTHER_PREFIXES):
-        return None
-    return disk
-
-
-def other_name(disk: str) -> str | None:
-    """Where a save writes a tensor the text model does not hold (stored as ``disk``); None for a text one."""
-    for prefix, out in _OTHER_PREFIXES:
-        if disk.startswith(prefix):
-            return out + disk[len(prefix) :]
+def _swap(prefixes: tuple[tuple[str, str], ...], name: str) -> str | None:
+    for prefix, other in prefixes:
+        if name.startswith(prefix):
+            return other + name[len(prefix) :]
     return None
 
 
-def disk_name(name: str) -> str:
+def text_name(container: dict[str, Any], disk: str) -> str | None:
+    """The text model's name of a tensor stored as ``disk``; None for one it does not hold (the vision
+    tower's, the projector's); ``disk`` itself for any other (which the loader then names as unexpected)."""
+    layout = layout_of(container)
+    ours = _swap(layout.text_prefixes, disk)
+    if ours is not None:
+        return ours
+    return None if _swap(layout.other_prefixes, disk) is not None else disk
+
+
+def other_name(container: dict[str, Any], disk: str) -> str | None:
+    """Where a save writes a tensor the text model does not hold (stored as ``disk``); None for a text one."""
+    return _swap(layout_of(container).other_prefixes, disk)
+
+
+def disk_name(container: dict[str, Any], name: str) -> str:
     """The name a save writes the text model's tensor ``name`` under."""
-    return "language_model." + name
+    return _swap(layout_of(container).save_prefixes, name) or name
 
 
 def to_disk_state(container: dict[str, Any] | None, state: dict[str, Any]) -> dict[str, Any]:
@@ -94,10 +141,15 @@ def to_disk_state(container: dict[str, Any] | None, state: dict[str, Any]) -> di
     itself for a model stored alone (``container`` None)."""
     if container is None:
         return state
-    return {disk_name(name): t for name, t in state.items()}
+    return {disk_name(container, name): t for name, t in state.items()}
 
 
-PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json")
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.json",
+)
 """Files of the checkpoint's image processor, copied into a save beside the tokenizer's."""
 
 

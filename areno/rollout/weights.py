@@ -90,8 +90,9 @@ class EngineWeights:
         if getattr(self.model_config, "num_experts", 0):  # a checkpoint stores experts one by one
             items = moe.to_memory_items(self.model_config, items)
         items = packed_projections.to_memory_items(self.model_config, items)  # Phi-3's qkv_proj / gate_up_proj
-        if getattr(self.model_config, "container", None) is not None:  # a vision-language checkpoint's text model
-            items = [(name, t) for disk, t in items if (name := vl_text.text_name(disk)) is not None]
+        container = getattr(self.model_config, "container", None)
+        if container is not None:  # a vision-language checkpoint's text model
+            items = [(name, t) for disk, t in items if (name := vl_text.text_name(container, disk)) is not None]
         self._check_complete(path, {name for name, _ in items}, tied, names, fix)
         self.update(items, version)
 

@@ -1,8 +1,10 @@
-"""Gemma 3 4B and larger (``Gemma3ForConditionalGeneration``) trained as their text model (``vl_text``): the
-checkpoint transformers saves (and the one in transformers' module names) loads and computes the whole
-model's text log-probs; a save is the same vision-language checkpoint again, with the vision tower as it
-came; the 4B config.json reads as transformers reads it; policy syncs to servers and disk name the text
-model as the checkpoint does; a GRPO run from such a checkpoint learns and exports one."""
+"""Vision-language checkpoints trained as their text model (``vl_text``): Gemma 3 4B and larger
+(``Gemma3ForConditionalGeneration``) and Qwen3-VL (``Qwen3VLForConditionalGeneration``). The checkpoint
+transformers saves (and Gemma's in transformers' module names) loads and computes the whole model's text
+log-probs; a save is the same vision-language checkpoint again, with the vision tower as it came; the
+released config.json files read as transformers reads them; policy syncs to servers and disk name the text
+model as the checkpoint does; a LoRA adapter loads in PEFT on the whole model; a GRPO run from such a
+checkpoint learns and exports one."""
 
 from __future__ import annotations
 
@@ -12,7 +14,14 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+from transformers import (
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+)
 
 from areno.errors import ModelDirError
 from areno.models import ModelConfig, load_model, save_model
@@ -21,7 +30,7 @@ from areno.sync.base import WeightSource
 from areno.sync.disk import CheckpointNamedSource
 from tests.helpers.families import VOCAB, packed_batch, reference_logprobs
 
-TEXT = dict(
+GEMMA3_TEXT = dict(
     hidden_size=48,
     intermediate_size=80,
     num_hidden_layers=3,
@@ -34,54 +43,127 @@ TEXT = dict(
     layer_types=["sliding_attention", "sliding_attention", "full_attention"],
     rope_scaling={"rope_type": "linear", "factor": 8.0},
 )
-VISION = dict(
+GEMMA3_VISION = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
 )
+QWEN3VL_TEXT = dict(
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=12,
+    max_position_embeddings=256,
+    rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 2, 2], "mrope_interleaved": True},
+)
+QWEN3VL_VISION = dict(
+    depth=1,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    out_hidden_size=48,
+    deepstack_visual_indexes=[0],
+    patch_size=4,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=16,
+)
+MISTRAL3_TEXT = dict(
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=12,
+    sliding_window=None,
+    max_position_embeddings=256,
+)
+MISTRAL3_VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    image_size=28,
+    patch_size=14,
+    head_dim=16,
+)
+FAMILIES = ("gemma3", "mistral3", "qwen3vl")
 
 
-def _saved_vlm(path, vocab: int = VOCAB, **text) -> Gemma3ForConditionalGeneration:
-    """A random tiny Gemma3ForConditionalGeneration saved by transformers (norm weights spread, so that a
-    norm in the wrong place shows), loaded back in float32 with eager attention."""
+def _saved_vlm(path, family: str = "gemma3", vocab: int = VOCAB, **text):
+    """A random tiny vision-language model of ``family`` saved by transformers (the text model's norm
+    weights spread, so that a norm in the wrong place shows; Qwen3-VL untied), loaded back in float32 with
+    eager attention."""
     torch.manual_seed(0)
-    config = Gemma3Config(
-        text_config={**TEXT, "vocab_size": vocab, "initializer_range": 0.2, **text},
-        vision_config=VISION,
-        mm_tokens_per_image=1,
-        image_token_index=vocab - 1,
-        boi_token_index=vocab - 3,
-        eoi_token_index=vocab - 2,
-        eos_token_id=[1, 2],
+    ids = dict(
+        image_token_id=vocab - 1,
+        video_token_id=vocab - 2,
+        vision_start_token_id=vocab - 3,
+        vision_end_token_id=vocab - 4,
     )
-    model = Gemma3ForConditionalGeneration(config)
+    if family == "gemma3":
+        cls = Gemma3ForConditionalGeneration
+        config = Gemma3Config(
+            text_config={**GEMMA3_TEXT, "vocab_size": vocab, "initializer_range": 0.2, **text},
+            vision_config=GEMMA3_VISION,
+            mm_tokens_per_image=1,
+            image_token_index=vocab - 1,
+            boi_token_index=vocab - 3,
+            eoi_token_index=vocab - 2,
+            eos_token_id=[1, 2],
+        )
+    elif family == "mistral3":  # tied: Mistral3Config's default where the top level does not say
+        cls = Mistral3ForConditionalGeneration
+        config = Mistral3Config(
+            text_config={**MISTRAL3_TEXT, "vocab_size": vocab, "initializer_range": 0.2, **text},
+            vision_config=MISTRAL3_VISION,
+            image_token_index=vocab - 1,
+        )
+    else:
+        cls = Qwen3VLForConditionalGeneration
+        config = Qwen3VLConfig(
+            text_config={**QWEN3VL_TEXT, "vocab_size": vocab, "initializer_range": 0.2, **text},
+            vision_config=QWEN3VL_VISION,
+            tie_word_embeddings=False,
+            **ids,
+        )
+    model = cls(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name and "language_model" in name:
                 p.uniform_(0.3, 1.7)
     model.save_pretrained(path)
-    (path / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "Gemma3ImageProcessor"}))
-    back = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    return back.eval()
+    (path / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "ImageProcessor"}))
+    return cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def _other_tensors(path) -> dict[str, torch.Tensor]:
     state = load_file(str(path / "model.safetensors"))
-    return {k: v for k, v in state.items() if "vision_tower" in k or "multi_modal_projector" in k}
+    return {k: v for k, v in state.items() if "language_model" not in k and not k.startswith("lm_head")}
 
 
-@pytest.mark.parametrize("layout", ["as_saved", "module_names"])
-def test_its_text_model_loads_and_computes_the_whole_models_logprobs(layout, tmp_path):
+@pytest.mark.parametrize(
+    ("family", "layout"),
+    [("gemma3", "as_saved"), ("gemma3", "module_names"), ("mistral3", "as_saved"), ("qwen3vl", "as_saved")],
+)
+def test_its_text_model_loads_and_computes_the_whole_models_logprobs(family, layout, tmp_path):
     src = tmp_path / "hf"
-    ref = _saved_vlm(src)
+    ref = _saved_vlm(src, family)
     if layout == "module_names":  # transformers 4.52+'s module names: model.language_model., model.vision_tower.
         state = load_file(str(src / "model.safetensors"))
         renamed = {("model." + k.replace("language_model.model.", "language_model.")): v for k, v in state.items()}
         save_file(renamed, str(src / "model.safetensors"), metadata={"format": "pt"})
     model, config = load_model(src)
-    assert (
-        config.architecture == "Gemma3ForCausalLM" and config.container["architecture"] == ref.config.architectures[0]
-    )
-    assert config.container["source"] == str(src.resolve())
-    assert config.eos_token_id == (1, 2) and config.window_layers == (0, 1) and config.rope_scaling["factor"] == 8.0
+    assert config.container["architecture"] == type(ref).__name__ and config.container["source"] == str(src.resolve())
+    if family == "gemma3":
+        assert config.architecture == "Gemma3ForCausalLM" and config.eos_token_id == (1, 2)
+        assert config.window_layers == (0, 1) and config.rope_scaling["factor"] == 8.0
+    elif family == "mistral3":
+        assert config.architecture == "MistralForCausalLM" and config.tie_word_embeddings
+        assert config.sliding_window is None and config.head_dim == 12
+    else:  # the multimodal RoPE of text positions: plain RoPE
+        assert config.architecture == "Qwen3ForCausalLM" and config.rope_theta == 5e6 and config.rope_scaling is None
+        assert not config.tie_word_embeddings and config.qk_norm
     seqs, ids_T, cu_B1 = packed_batch()
     with torch.no_grad():
         ours, _ = packed_logprobs_of(model, ids_T, cu_B1)
@@ -96,9 +178,10 @@ def packed_logprobs_of(model, ids_T, cu_B1):
     return packed_logprobs(model.eval(), ids_T, cu_B1, chunk_size=7)
 
 
-def test_a_save_is_the_same_vision_language_checkpoint_with_the_new_text_model(tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_save_is_the_same_vision_language_checkpoint_with_the_new_text_model(family, tmp_path):
     src, out = tmp_path / "hf", tmp_path / "out"
-    _saved_vlm(src)
+    cls = type(_saved_vlm(src, family))
     model, config = load_model(src)
     with torch.no_grad():  # a trained text model: every weight moved
         for p in model.parameters():
@@ -107,9 +190,7 @@ def test_a_save_is_the_same_vision_language_checkpoint_with_the_new_text_model(t
     with torch.no_grad():
         ours, _ = packed_logprobs_of(model, ids_T, cu_B1)
     save_model(model, config, out)
-    back, info = Gemma3ForConditionalGeneration.from_pretrained(
-        out, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
-    )
+    back, info = cls.from_pretrained(out, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     with torch.no_grad():
         assert (reference_logprobs(back.eval(), seqs) - ours).abs().max().item() <= 1e-5
@@ -117,14 +198,14 @@ def test_a_save_is_the_same_vision_language_checkpoint_with_the_new_text_model(t
     assert sorted(kept) == sorted(source) and len(kept) > 10
     assert all(torch.equal(kept[k], source[k]) for k in kept)
     written = json.loads((out / "config.json").read_text())
-    assert written["architectures"] == ["Gemma3ForConditionalGeneration"] and "vision_config" in written
+    assert written["architectures"] == [cls.__name__] and "vision_config" in written
     assert (out / "preprocessor_config.json").is_file()
     again = read_config(out)
     assert again.replace(container=None) == config.replace(container=None)
     assert again.container["config"]["vision_config"] == config.container["config"]["vision_config"]
-    # a save writes the checkpoint's own names: the text model under language_model.model.
-    with safe_open(str(out / "model.safetensors"), "pt") as f:
-        assert "language_model.model.layers.0.self_attn.q_proj.weight" in f.keys()
+    # a save writes the names transformers' save_pretrained writes
+    with safe_open(str(out / "model.safetensors"), "pt") as f, safe_open(str(src / "model.safetensors"), "pt") as g:
+        assert sorted(f.keys()) == sorted(g.keys())
 
 
 def test_a_save_whose_source_is_gone_names_it(tmp_path):
@@ -137,6 +218,9 @@ def test_a_save_whose_source_is_gone_names_it(tmp_path):
     assert not (tmp_path / "out" / "model.safetensors").exists()
     with pytest.raises(ModelDirError, match="needs the checkpoint it came from"):
         save_model(model, config.replace(container={**config.container, "source": None}), tmp_path / "out")
+    # a text model that no longer matches the checkpoint's config.json is not written under it
+    with pytest.raises(ValueError, match="differs from the text model of the Gemma3ForConditionalGeneration"):
+        config.replace(rms_norm_eps=1e-5).to_hf()
 
 
 def _four_b() -> dict:
@@ -202,6 +286,72 @@ def test_the_4b_config_reads_as_transformers_reads_it():
     assert again == config
 
 
+def _qwen3_vl_2b() -> dict:
+    """Qwen/Qwen3-VL-2B-Instruct's config.json (transformers 4.57's keys)."""
+    return {
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "image_token_id": 151655,
+        "model_type": "qwen3_vl",
+        "text_config": {
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": 151643,
+            "dtype": "bfloat16",
+            "eos_token_id": 151645,
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "hidden_size": 2048,
+            "initializer_range": 0.02,
+            "intermediate_size": 6144,
+            "max_position_embeddings": 262144,
+            "model_type": "qwen3_vl_text",
+            "num_attention_heads": 16,
+            "num_hidden_layers": 28,
+            "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-06,
+            "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+            "rope_theta": 5000000,
+            "tie_word_embeddings": True,
+            "use_cache": True,
+            "vocab_size": 151936,
+        },
+        "tie_word_embeddings": True,
+        "video_token_id": 151656,
+        "vision_config": {
+            "deepstack_visual_indexes": [5, 11, 17],
+            "depth": 24,
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_size": 1024,
+            "in_channels": 3,
+            "initializer_range": 0.02,
+            "intermediate_size": 4096,
+            "model_type": "qwen3_vl",
+            "num_heads": 16,
+            "num_position_embeddings": 2304,
+            "out_hidden_size": 2048,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        "vision_end_token_id": 151653,
+        "vision_start_token_id": 151652,
+    }
+
+
+def test_the_qwen3_vl_2b_config_reads_as_transformers_reads_it():
+    config = ModelConfig.from_hf(_qwen3_vl_2b())
+    theirs = Qwen3VLConfig(**{k: v for k, v in _qwen3_vl_2b().items() if k != "architectures"})
+    text = theirs.text_config
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads"):
+        assert getattr(config, key) == getattr(text, key), key
+    assert (config.head_dim, config.rope_theta, config.rope_scaling) == (128, text.rope_parameters["rope_theta"], None)
+    assert (config.architecture, config.eos_token_id, config.tie_word_embeddings) == ("Qwen3ForCausalLM", 151645, True)
+    with torch.device("meta"):
+        whole = Qwen3VLForConditionalGeneration(theirs)
+    assert config.num_params() == sum(p.numel() for p in whole.model.language_model.parameters())
+    assert ModelConfig.from_hf(config.to_hf()) == config
+
+
 def test_a_config_without_its_text_part_is_refused():
     d = {k: v for k, v in _four_b().items() if k != "text_config"}
     with pytest.raises(ValueError, match="config.json has no 'text_config' object"):
@@ -222,16 +372,16 @@ class _Source(WeightSource):
         yield from self.state.items()
 
 
-def test_policy_syncs_name_the_text_model_as_its_checkpoint_does(tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_policy_syncs_name_the_text_model_as_its_checkpoint_does(family, tmp_path):
     from areno.rollout.weights import read_checkpoint
 
     src = tmp_path / "hf"
-    _saved_vlm(src)
+    _saved_vlm(src, family)
     model, config = load_model(src)
     named = dict(CheckpointNamedSource(_Source(model.state_dict()), config).iter_tensors())
-    stored = {k for k, _ in read_checkpoint(src, tied=True, fix="")}
-    text = {k for k in stored if k.startswith("language_model.")}
-    assert set(named) == text
+    stored = {k for k, _ in read_checkpoint(str(src), tied=config.tie_word_embeddings, fix="")}
+    assert set(named) == stored - set(_other_tensors(src)) and len(named) == len(model.state_dict())
     # the embedded engine reads a saved checkpoint's text model back (update_weights_from_disk)
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 
@@ -244,32 +394,24 @@ def test_policy_syncs_name_the_text_model_as_its_checkpoint_does(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
 
 
-def test_grpo_from_a_vision_language_checkpoint_learns_and_exports_one(tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grpo_from_a_vision_language_checkpoint_learns_and_exports_one(family, tmp_path):
     from areno.api.config import load_config
     from areno.data.tokenizer import build_char_tokenizer
     from tests.helpers.configs import run_to_end
 
     src = tmp_path / "model"
     tokenizer = build_char_tokenizer()
-    _saved_vlm(
-        src,
-        vocab=len(tokenizer) + 3,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        sliding_window=8,
-        query_pre_attn_scalar=16,
-        layer_types=["sliding_attention", "full_attention"],
-        initializer_range=0.02,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    shape = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
     )
+    if family == "gemma3":
+        shape.update(
+            head_dim=16, sliding_window=8, query_pre_attn_scalar=16, layer_types=GEMMA3_TEXT["layer_types"][1:]
+        )
+    cls = type(_saved_vlm(src, family, vocab=len(tokenizer) + 4, initializer_range=0.02, **shape))
     config = json.loads((src / "config.json").read_text())
-    config["eos_token_id"] = tokenizer.eos_token_id
+    config.update({k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
     (src / "config.json").write_text(json.dumps(config))
     tokenizer.save_pretrained(str(src))
     cfg = load_config(
@@ -296,7 +438,7 @@ def test_grpo_from_a_vision_language_checkpoint_learns_and_exports_one(tmp_path)
     assert len(rewards) == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     out = tmp_path / "run" / "checkpoints" / "step_00000012" / "hf"
-    back, info = Gemma3ForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    back, info = cls.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     kept, source = _other_tensors(out), _other_tensors(src)
     assert sorted(kept) == sorted(source) and all(torch.equal(kept[k], source[k]) for k in kept)
@@ -309,18 +451,20 @@ def test_a_row_with_images_is_refused_by_name(tmp_path):
 
     _saved_vlm(tmp_path / "hf")
     assert vision_kwargs(RLVRWorkflow, tmp_path / "hf", {}) == {}  # no vision tower is read
-    with pytest.raises(DataError, match="has images but model.path is a text-only model .*Gemma 3's vision-language"):
+    with pytest.raises(DataError, match="has images but model.path is a text-only model .*Qwen3-VL's vision-language"):
         row_images({"prompt": "what is this?", "images": ["x.png"]}, None)
 
 
-def test_a_lora_adapter_loads_in_peft_on_the_whole_model(tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_lora_adapter_loads_in_peft_on_the_whole_model(family, tmp_path):
     import peft
 
     from areno.train import LocalTrainBackend, LoraConfig, TrainBackendConfig
     from tests.helpers.train import nll_forward, nll_loss, random_batch, token_denominator
 
     src = tmp_path / "hf"
-    _saved_vlm(src)
+    cls = type(_saved_vlm(src, family))
+    layers = cls.from_pretrained(src).config.text_config.num_hidden_layers
     lora = LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "down_proj"))
     b = LocalTrainBackend(TrainBackendConfig(lr=0.05, device="cpu", grad_clip=None, lora=lora))
     b.initialize(src)
@@ -333,10 +477,10 @@ def test_a_lora_adapter_loads_in_peft_on_the_whole_model(tmp_path):
         )
     merged = dict(b.named_weights())
     b.export_adapter(tmp_path / "adapter")
-    whole = Gemma3ForConditionalGeneration.from_pretrained(src, dtype=torch.float32, attn_implementation="eager")
+    whole = cls.from_pretrained(src, dtype=torch.float32, attn_implementation="eager")
     with_adapter = peft.PeftModel.from_pretrained(whole, tmp_path / "adapter").eval()
     adapted = {n for n, _ in with_adapter.named_modules() if n.endswith(".lora_A")}
-    assert len(adapted) == 3 * 3 and all(".language_model." in n for n in adapted)  # none on the vision tower
+    assert len(adapted) == 3 * layers and all(".language_model." in n for n in adapted)  # none on the vision tower
     ours, _ = load_model(src)
     ours.load_state_dict(merged)
     seqs, ids_T, cu_B1 = packed_batch()
@@ -346,12 +490,13 @@ def test_a_lora_adapter_loads_in_peft_on_the_whole_model(tmp_path):
     assert (got - expected).abs().max().item() <= 1e-4
 
 
-def test_a_reward_model_trained_from_it_exports_as_a_text_classifier(tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_reward_model_trained_from_it_exports_as_a_text_classifier(family, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
     from areno.specializations.preference import save_reward_model
 
-    _saved_vlm(tmp_path / "hf")
+    _saved_vlm(tmp_path / "hf", family)
     model, config = load_model(tmp_path / "hf")
     state = {f"decoder.{k}": v for k, v in model.state_dict().items()}
     state["score.weight"] = torch.randn(1, config.hidden_size)
