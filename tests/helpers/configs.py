@@ -125,7 +125,8 @@ def run_to_end(cfg) -> list[dict]:
 
 def grpo_rewards_on_tiny(tmp_path: Path, init_tiny: str) -> list[float]:
     """Each step's mean reward of a 12-step seeded GRPO run on the demo's digit reward (``sevens``) with the
-    tiny model ``init_tiny`` (a ``model.init_tiny={...}`` override): what a model family's learning test reads."""
+    tiny model ``init_tiny`` (a ``model.init_tiny={...}`` override; ``model.init_tiny=null``: the checkpoint
+    in ``tmp_path / "model"``): what a model family's learning test reads."""
     cfg = load_config(
         None,
         [

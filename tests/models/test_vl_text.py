@@ -30,23 +30,7 @@ from areno.sync.base import WeightSource
 from areno.sync.disk import CheckpointNamedSource
 from tests.helpers.families import VOCAB, packed_batch, reference_logprobs
 
-GEMMA3_TEXT = dict(
-    hidden_size=48,
-    intermediate_size=80,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=12,
-    sliding_window=4,
-    query_pre_attn_scalar=12,
-    max_position_embeddings=256,
-    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-    rope_scaling={"rope_type": "linear", "factor": 8.0},
-)
-GEMMA3_VISION = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
-)
-QWEN3VL_TEXT = dict(
+TEXT = dict(
     hidden_size=48,
     intermediate_size=80,
     num_hidden_layers=2,
@@ -54,8 +38,24 @@ QWEN3VL_TEXT = dict(
     num_key_value_heads=2,
     head_dim=12,
     max_position_embeddings=256,
+)
+GEMMA3_TEXT = dict(
+    TEXT,
+    num_hidden_layers=3,
+    sliding_window=4,
+    query_pre_attn_scalar=12,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    rope_scaling={"rope_type": "linear", "factor": 8.0},
+)
+MISTRAL3_TEXT = dict(TEXT, sliding_window=None)
+QWEN3VL_TEXT = dict(
+    TEXT,
     rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 2, 2], "mrope_interleaved": True},
 )
+VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+)
+MISTRAL3_VISION = dict(VISION, head_dim=16)
 QWEN3VL_VISION = dict(
     depth=1,
     hidden_size=32,
@@ -67,25 +67,6 @@ QWEN3VL_VISION = dict(
     spatial_merge_size=2,
     temporal_patch_size=2,
     num_position_embeddings=16,
-)
-MISTRAL3_TEXT = dict(
-    hidden_size=48,
-    intermediate_size=80,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=12,
-    sliding_window=None,
-    max_position_embeddings=256,
-)
-MISTRAL3_VISION = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    image_size=28,
-    patch_size=14,
-    head_dim=16,
 )
 FAMILIES = ("gemma3", "mistral3", "qwen3vl")
 
@@ -105,7 +86,7 @@ def _saved_vlm(path, family: str = "gemma3", vocab: int = VOCAB, **text):
         cls = Gemma3ForConditionalGeneration
         config = Gemma3Config(
             text_config={**GEMMA3_TEXT, "vocab_size": vocab, "initializer_range": 0.2, **text},
-            vision_config=GEMMA3_VISION,
+            vision_config=VISION,
             mm_tokens_per_image=1,
             image_token_index=vocab - 1,
             boi_token_index=vocab - 3,
@@ -396,9 +377,8 @@ def test_policy_syncs_name_the_text_model_as_its_checkpoint_does(family, tmp_pat
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_grpo_from_a_vision_language_checkpoint_learns_and_exports_one(family, tmp_path):
-    from areno.api.config import load_config
     from areno.data.tokenizer import build_char_tokenizer
-    from tests.helpers.configs import run_to_end
+    from tests.helpers.configs import grpo_rewards_on_tiny
 
     src = tmp_path / "model"
     tokenizer = build_char_tokenizer()
@@ -414,27 +394,7 @@ def test_grpo_from_a_vision_language_checkpoint_learns_and_exports_one(family, t
     config.update({k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
     (src / "config.json").write_text(json.dumps(config))
     tokenizer.save_pretrained(str(src))
-    cfg = load_config(
-        None,
-        [
-            f"run_dir={tmp_path / 'run'}",
-            f"model.path={src}",
-            "data.task=arithmetic",
-            "data.num_eval=8",
-            "rollout.batch_size=4",
-            "rollout.n_samples=8",
-            "rollout.max_new_tokens=4",
-            "cluster.device=cpu",
-            "observe.console=false",
-            "reward.fn=tests.helpers.rewards:sevens",
-            "reward.sandbox=false",
-            "optim.lr=0.02",
-            "train.steps=12",
-            "train.eval_interval=0",
-            "train.seed=1",
-        ],
-    )
-    rewards = [r["rollout/reward_mean"] for r in run_to_end(cfg) if "rollout/reward_mean" in r]
+    rewards = grpo_rewards_on_tiny(tmp_path, "model.init_tiny=null")  # the checkpoint at tmp_path / "model"
     assert len(rewards) == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     out = tmp_path / "run" / "checkpoints" / "step_00000012" / "hf"
