@@ -25,9 +25,9 @@ Supported architectures (``architectures[0]`` in ``config.json``) and what sets 
   whose weights are offsets from 1 (``norm_weight_offset``), Qwen3's q/k norms, embeddings scaled by
   sqrt(hidden_size), the tanh GELU, ``query_pre_attn_scalar``, windows in five layers of six with their
   own RoPE base; logit soft-capping and bidirectional attention are refused.
-- ``Gemma3ForConditionalGeneration`` (Gemma 3 4B and larger) and ``Qwen3VLForConditionalGeneration`` read as
-  their text models, ``Gemma3ForCausalLM`` and ``Qwen3ForCausalLM`` (``container``; ``vl_text``): text prompts
-  only, the vision tower kept on disk for the saves.
+- ``Gemma3ForConditionalGeneration`` (Gemma 3 4B and larger), ``Mistral3ForConditionalGeneration`` (Mistral
+  Small 3.1 / 3.2) and ``Qwen3VLForConditionalGeneration`` read as their text models (``container``;
+  ``vl_text``): text prompts only, the vision tower kept on disk for the saves.
 
 Both the legacy ``rope_theta``/``rope_scaling`` keys and the ``rope_parameters`` dict of
 transformers 5 are read; ``to_hf`` writes the legacy keys, which every transformers version and

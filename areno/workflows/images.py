@@ -42,8 +42,8 @@ def row_images(sample: dict[str, Any], vision: VisionConfig | None) -> list[Any]
         return []
     if vision is None:
         raise DataError(
-            f"dataset {describe_sample(sample)} has images but model.path is a text-only model (Gemma 3's and "
-            "Qwen3-VL's vision-language checkpoints train their text model only): use a Qwen2.5-VL checkpoint or drop the images field"
+            f"dataset {describe_sample(sample)} has images but model.path is a text-only model (the "
+            "vision-language checkpoints of Gemma 3, Mistral Small 3 and Qwen3-VL train their text model only): use a Qwen2.5-VL checkpoint or drop the images field"
         )
     if not isinstance(images, (list, tuple)):
         images = [images]

@@ -1,5 +1,6 @@
 """Vision-language checkpoints trained as their text model (``vl_text``): Gemma 3 4B and larger
-(``Gemma3ForConditionalGeneration``) and Qwen3-VL (``Qwen3VLForConditionalGeneration``). The checkpoint
+(``Gemma3ForConditionalGeneration``), Mistral Small 3.1 / 3.2 (``Mistral3ForConditionalGeneration``) and Qwen3-VL
+(``Qwen3VLForConditionalGeneration``). The checkpoint
 transformers saves (and Gemma's in transformers' module names) loads and computes the whole model's text
 log-probs; a save is the same vision-language checkpoint again, with the vision tower as it came; the
 released config.json files read as transformers reads them; policy syncs to servers and disk name the text
@@ -411,7 +412,9 @@ def test_a_row_with_images_is_refused_by_name(tmp_path):
 
     _saved_vlm(tmp_path / "hf")
     assert vision_kwargs(RLVRWorkflow, tmp_path / "hf", {}) == {}  # no vision tower is read
-    with pytest.raises(DataError, match="has images but model.path is a text-only model .*Qwen3-VL's vision-language"):
+    with pytest.raises(
+        DataError, match="has images but model.path is a text-only model .*vision-language checkpoints of Gemma 3"
+    ):
         row_images({"prompt": "what is this?", "images": ["x.png"]}, None)
 
 
