@@ -394,7 +394,7 @@ def save_state(
         if "dtype" in part:
             part["dtype"] = dtype
     if config.container is not None:  # the vision tower and projector as they came, read before any write
-        state.update(_kept_apart(config.container))
+        state.update(_kept_apart(config.container, into=out_dir))
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     ids = {k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
@@ -413,9 +413,10 @@ def save_state(
     return out_dir
 
 
-def _kept_apart(container: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _kept_apart(container: dict[str, Any], *, into: Path) -> dict[str, torch.Tensor]:
     """The tensors of ``container``'s checkpoint its text model does not hold (``vl_text.other_name``),
-    under the names a save writes; a one-line ``ModelDirError`` where that checkpoint is gone."""
+    under the names a save writes; a one-line ``ModelDirError`` where that checkpoint is gone. Read into
+    memory where the save goes ``into`` that checkpoint's own directory (else they stay mapped from it)."""
     arch, source = container["architecture"], container.get("source")
     fix = "point the save at a model read from that directory (hf_io.read_config / load_model)"
     if source is None:
@@ -429,13 +430,14 @@ def _kept_apart(container: dict[str, Any]) -> dict[str, torch.Tensor]:
             f"saving a {arch} text model copies the vision tower from {source}, which is no longer readable ({e}): "
             "restore that checkpoint directory"
         ) from None
+    same_dir = into.resolve() == Path(source).resolve()  # the file written over is the one read
     out: dict[str, torch.Tensor] = {}
     for path in files:
         with open_safetensors(path) as f:
             for disk in f.keys():
                 name = vl_text.other_name(container, disk)
                 if name is not None:
-                    out[name] = f.get_tensor(disk)
+                    out[name] = f.get_tensor(disk).clone() if same_dir else f.get_tensor(disk)
     if not out:
         raise ModelDirError(
             f"{source} holds no vision tower or projector tensors for its {arch} config.json: point model.path at the "

@@ -275,6 +275,16 @@ class PackedTrainBackend(TrainBackend):
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         decoder, self.model_config = load_model(model_dir, dtype=cfg.torch_dtype(), device="cpu")
+        container = self.model_config.container
+        if container is not None and self.is_rank0:
+            logger.info(
+                "%s (%s) is a %s: its text model (%s) trains on text prompts; its exports copy the vision tower "
+                "and projector from that directory",
+                cfg.role_name,
+                model_dir,
+                container["architecture"],
+                self.model_config.architecture,
+            )
         model = decoder if wrap_model is None else wrap_model(decoder)
         prefix = next((f"{name}." if name else "" for name, m in model.named_modules() if m is decoder), None)
         if prefix is None:

@@ -468,3 +468,14 @@ def test_a_reward_model_trained_from_it_exports_as_a_text_classifier(family, tmp
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert torch.equal(back.score.weight, state["score.weight"])
     assert read_config(out).container is None
+
+
+def test_a_save_into_its_own_source_directory_keeps_the_vision_tower(tmp_path):
+    src = tmp_path / "hf"
+    _saved_vlm(src)
+    before = _other_tensors(src)
+    model, config = load_model(src)
+    save_model(model, config, src)  # written over the file the vision tower is read from
+    after = _other_tensors(src)
+    assert sorted(after) == sorted(before) and all(torch.equal(after[k], before[k]) for k in after)
+    assert load_model(src)[1].replace(container=None) == config.replace(container=None)
