@@ -450,6 +450,7 @@ class ModelConfig:
         Raises ValueError naming the architecture when it is not supported, and for features this
         decoder does not implement (non-SiLU activation, per-layer sliding windows, other RoPE types).
         """
+        _refuse_quantized(d)
         archs = d.get("architectures") or []
         if archs and archs[0] in vl_text.LAYOUTS:  # trained as its text model, the rest kept on disk
             text, container = vl_text.split_config(d)
@@ -649,6 +650,19 @@ def _rope_per_type(config: ModelConfig) -> dict[str, Any]:
 _ARCH_HINTS = {
     "Gemma2ForCausalLM": " (Gemma 2's logit soft-capping is not computed)",
 }
+
+
+def _refuse_quantized(d: dict[str, Any]) -> None:
+    """A quantized checkpoint (FP8, AWQ, GPTQ, MXFP4, bitsandbytes: ``quantization_config``) refused by its
+    method, before its scale and packed tensors read as a checkpoint that does not match config.json."""
+    for where in (d, d.get("text_config") if isinstance(d.get("text_config"), dict) else {}):
+        q = where.get("quantization_config")
+        if q:
+            method = q.get("quant_method", "unknown method") if isinstance(q, dict) else q
+            raise ValueError(
+                f"config.json has a quantization_config ({method}): areno trains and generates with the weights "
+                "unquantized; point model.path at the model's bf16 (or fp16 / fp32) checkpoint"
+            )
 
 
 def _unknown_arch_message(arch: str) -> str:

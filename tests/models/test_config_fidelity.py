@@ -220,3 +220,30 @@ def test_a_context_past_the_models_positions_is_refused(tmp_path):
     model, config = load_model(path)
     with pytest.raises(ValueError, match=r"max_model_len=200 exceeds the model's max_position_embeddings=128"):
         RolloutEngine(model, config, config=RolloutEngineConfig(device="cpu", num_blocks=64, max_model_len=200))
+
+
+@pytest.mark.parametrize(
+    ("quantization", "where"),
+    [
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "top"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128}, "top"),
+        ({"quant_method": "mxfp4"}, "top"),
+        ({"quant_method": "fp8"}, "text_config"),  # a vision-language checkpoint's text part
+    ],
+)
+def test_a_quantized_checkpoint_is_refused_by_its_method_before_its_weights(quantization, where, tmp_path):
+    from areno.errors import ModelDirError
+    from areno.models.hf_io import read_config
+
+    d = tiny_config(VOCAB, arch="qwen3").to_hf()
+    if where == "text_config":
+        d = {"architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl", "text_config": d}
+        d["text_config"]["quantization_config"] = quantization
+    else:
+        d["quantization_config"] = quantization
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    method = quantization["quant_method"]
+    with pytest.raises(
+        ModelDirError, match=f"quantization_config \\({method}\\): .* point model.path at the model's bf16"
+    ):
+        read_config(tmp_path)
