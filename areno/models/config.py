@@ -8,6 +8,8 @@ Supported architectures (``architectures[0]`` in ``config.json``) and what sets 
 - ``Qwen2ForCausalLM``   bias on q/k/v (always), none on o_proj.
 - ``Qwen3ForCausalLM``   RMSNorm over head_dim on q and k before RoPE (``qk_norm``); optional q/k/v/o bias.
 - ``MistralForCausalLM`` no bias; an optional sliding attention window applied in every layer.
+- ``Ministral3ForCausalLM`` Mistral's layers whose queries are scaled by their position past the YaRN
+  context (``query_position_scale``: transformers' ``llama_4_scaling_beta``).
 - ``Qwen3MoeForCausalLM`` Qwen3's attention; a sparse mixture-of-experts block (``areno.models.moe``) in
   place of the MLP in the layers ``decoder_sparse_step`` / ``mlp_only_layers`` select; ``norm_topk_prob``.
 - ``MixtralForCausalLM`` Mistral's attention; a sparse mixture-of-experts block in every layer, top-k
@@ -50,6 +52,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Ministral3ForCausalLM": "ministral3",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
@@ -73,7 +76,7 @@ def causal_architecture(arch: str) -> str:
 
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
-WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "Ministral3ForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 """The layouts transformers gives one sliding window in every layer (``sliding_window`` in config.json)."""
 LAYER_TYPE_ARCHITECTURES = (
     "MistralForCausalLM",
@@ -88,6 +91,7 @@ LAYER_TYPE_ARCHITECTURES = (
 OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 """OLMo 2's layout (q/k norms over the projections, norms after each block); OLMo 3 adds windows."""
 GEMMA3 = "Gemma3ForCausalLM"
+MINISTRAL3 = "Ministral3ForCausalLM"
 ROPE_PER_TYPE_ARCHITECTURES = ("Olmo3ForCausalLM", GEMMA3)
 """The layouts whose transformers class turns the window layers by their own RoPE (``rope_parameters``
 per layer type)."""
@@ -161,6 +165,10 @@ class ModelConfig:
     window_rope: dict[str, Any] | None = None
     """The RoPE of the ``window_layers`` where it differs from the other layers' (OLMo 3 scales only its full
     layers' RoPE): ``{"rope_theta": float, "rope_scaling": dict | None}``; None: one RoPE for every layer."""
+    query_position_scale: tuple[float, int] | None = None
+    """Ministral 3's query scale by position, ``(beta, period)``: q times 1 + beta * log(1 + floor(position /
+    period)) (transformers' ``llama_4_scaling_beta``, over the RoPE's ``original_max_position_embeddings``);
+    None: no such scale."""
     initializer_range: float = 0.02
     """Std of the normal init of linear and embedding weights."""
     architecture: str = "Qwen2ForCausalLM"
@@ -247,10 +255,18 @@ class ModelConfig:
                 raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim/2 = {self.head_dim // 2}")
         if (self.vision is not None) != (self.architecture == "Qwen2_5_VLForConditionalGeneration"):
             raise ValueError(f"vision is set exactly for Qwen2_5_VLForConditionalGeneration, not {self.architecture}")
+        if self.query_position_scale is not None:
+            beta, period = self.query_position_scale
+            object.__setattr__(self, "query_position_scale", (float(beta), int(period)))
+            if self.architecture != MINISTRAL3 or period < 1 or self.window_rope is not None:
+                raise ValueError(
+                    f"query_position_scale={self.query_position_scale} is only expressible for {MINISTRAL3} "
+                    "(a period >= 1, one RoPE for every layer)"
+                )
         if self.container is not None:
             outer = self.container.get("architecture")
             layout = vl_text.LAYOUTS.get(outer)
-            if layout is None or layout.text_architecture != self.architecture:
+            if layout is None or self.architecture not in {arch for arch, _ in layout.text_types.values()}:
                 raise ValueError(f"container: {outer!r} holds no {self.architecture} text model")
 
     def _check_arch_flags(self) -> None:
@@ -296,7 +312,7 @@ class ModelConfig:
             and self.attention_bias != self.attention_out_bias
         ):
             raise ValueError(f"{arch} biases q/k/v/o together: attention_bias must equal attention_out_bias")
-        if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM") and (
+        if arch in ("MistralForCausalLM", MINISTRAL3, "MixtralForCausalLM", "Phi3ForCausalLM") and (
             self.attention_bias or self.attention_out_bias
         ):
             raise ValueError(f"{arch} has no attention bias")
@@ -454,7 +470,7 @@ class ModelConfig:
         archs = d.get("architectures") or []
         if archs and archs[0] in vl_text.LAYOUTS:  # trained as its text model, the rest kept on disk
             text, container = vl_text.split_config(d)
-            text = _with_hf_defaults(vl_text.LAYOUTS[archs[0]].text_config_type, text)  # its text config class's
+            text = _with_hf_defaults(container["text_type"], text)  # its text config class's defaults
             return cls.from_hf(text).replace(container=container)
         if not archs:
             model_type = d.get("model_type")
@@ -486,12 +502,15 @@ class ModelConfig:
             if act not in ("silu", "swish"):  # transformers' swish is SiLU
                 raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
         sliding_window, window_layers = _sliding_window(arch, d)
+        query_position_scale = None
+        if arch == MINISTRAL3:
+            d, query_position_scale = _read_query_position_scale(d)
         rope_theta, rope_scaling, window_rope = _read_layer_ropes(arch, d, sliding_window, window_layers)
         heads = d["num_attention_heads"]
         attn_bias = bool(d.get("attention_bias", False))
         if arch in ("Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration"):
             qkv_bias, out_bias = True, False
-        elif arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
+        elif arch in ("MistralForCausalLM", MINISTRAL3, "MixtralForCausalLM", "Phi3ForCausalLM"):
             qkv_bias = out_bias = False
         else:
             qkv_bias = out_bias = attn_bias
@@ -520,6 +539,7 @@ class ModelConfig:
             sliding_window=sliding_window,
             window_layers=window_layers,
             window_rope=window_rope,
+            query_position_scale=query_position_scale,
             initializer_range=float(d.get("initializer_range", 0.02)),
             architecture=arch,
             model_type=SUPPORTED_ARCHITECTURES[arch],
@@ -587,6 +607,10 @@ class ModelConfig:
             ]
         if self.architecture in ROPE_PER_TYPE_ARCHITECTURES:
             d.update(_rope_per_type(self))
+        if self.query_position_scale is not None:  # transformers reads it from the RoPE's keys
+            beta, period = self.query_position_scale
+            rope = d["rope_scaling"] or {"rope_type": "default"}
+            d["rope_scaling"] = {**rope, "llama_4_scaling_beta": beta, "original_max_position_embeddings": period}
         if self.architecture == GEMMA3:
             d.pop("hidden_act")
             d.update(
@@ -753,6 +777,10 @@ HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
                       "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "hidden_act": "silu",
                       "max_position_embeddings": 128000, "initializer_range": 0.02, "rms_norm_eps": 1e-6,
                       "attention_bias": False, "rope_theta": 5e5},
+    "ministral3": {**_COMMON, "vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 14336,
+                   "num_hidden_layers": 34, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                   "max_position_embeddings": 262144, "rms_norm_eps": 1e-5, "sliding_window": None,
+                   "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 11},
     "phi3": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "sliding_window": None,
              "rope_theta": 1e4},
     "smollm3": {**_COMMON, "tie_word_embeddings": True, "max_position_embeddings": 32768, "attention_bias": False,
@@ -899,6 +927,48 @@ def _read_layer_ropes(
 def _int_if_whole(x: float | None) -> float | int | None:
     """``x`` as an int where it is whole (transformers 5's strict config fields type some numbers int)."""
     return int(x) if isinstance(x, float) and x.is_integer() else x
+
+
+MINISTRAL3_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 1000000.0,
+    "factor": 16.0,
+    "original_max_position_embeddings": 16384,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "llama_4_scaling_beta": 0.1,
+}
+"""Ministral3Config's RoPE where a file gives none (its YaRN and query scale)."""
+
+
+def _read_query_position_scale(d: dict[str, Any]) -> tuple[dict[str, Any], tuple[float, int] | None]:
+    """Ministral 3's config.json without ``llama_4_scaling_beta`` in its RoPE keys, and ``(beta, period)``
+    (None for a beta of 0 or none); the class's RoPE where the file gives none."""
+    if not any(isinstance(d.get(k), dict) for k in ("rope_parameters", "rope_scaling")) and "rope_theta" not in d:
+        d = {**d, "rope_parameters": dict(MINISTRAL3_ROPE)}
+    d, betas, periods = dict(d), set(), set()
+    for key in ("rope_parameters", "rope_scaling"):
+        if isinstance(d.get(key), dict):
+            rope = dict(d[key])
+            if rope.get("llama_4_scaling_beta") is not None:
+                betas.add(float(rope.pop("llama_4_scaling_beta")))
+                periods.add(rope.get("original_max_position_embeddings"))
+            rope.pop("max_position_embeddings", None)  # the class's copy of the top-level key
+            d[key] = rope
+    if len(betas) > 1:
+        raise ValueError(f"config.json gives llama_4_scaling_beta {sorted(betas)}: make them agree")
+    beta = next(iter(betas), 0.0)
+    if not beta:
+        return d, None
+    period = next(iter(periods))
+    if not period:
+        raise ValueError(
+            "config.json llama_4_scaling_beta needs the RoPE's original_max_position_embeddings (the period of the "
+            "query scale)"
+        )
+    return d, (beta, int(period))
 
 
 def _check_gemma3(d: dict[str, Any]) -> None:

@@ -228,6 +228,8 @@ class Attention(nn.Module):
         self.use_rope = layer_idx not in config.nope_layers  # SmolLM3 leaves every fourth layer unrotated
         # which of a stacked [2, T, F] cos/sin this layer turns by (OLMo 3's window layers: their own RoPE)
         self.rope_slot = int(config.window_rope is not None and config.layer_window(layer_idx) is not None)
+        self.scaled_queries = config.query_position_scale is not None
+        """Ministral 3: q turns by its own tables, the position's query scale folded in (``Decoder.rope_at``)."""
         # Qwen3 normalises each head (weights [Dh]); OLMo 2 the whole projection, before the head split
         self.qk_norm_heads = config.qk_norm and config.qk_norm_scope == "head"
         if config.qk_norm:
@@ -246,8 +248,12 @@ class Attention(nn.Module):
         self, x_TD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         T = x_TD.shape[0]
-        if cos_TF.dim() == 3:  # one RoPE table per layer kind (``Decoder.rope_at``)
+        qcos_TF, qsin_TF = cos_TF, sin_TF
+        if self.scaled_queries:  # k's tables, then q's (``Decoder.rope_at``)
+            (cos_TF, qcos_TF), (sin_TF, qsin_TF) = cos_TF.unbind(0), sin_TF.unbind(0)
+        elif cos_TF.dim() == 3:  # one RoPE table per layer kind (``Decoder.rope_at``)
             cos_TF, sin_TF = cos_TF[self.rope_slot], sin_TF[self.rope_slot]
+            qcos_TF, qsin_TF = cos_TF, sin_TF
         # Head counts come from the weights, so a TP-sharded projection works unchanged.
         qkv_TN = self.qkv(x_TD) if self.qkv is not None and self.qkv.usable() else None  # one GEMM
         if qkv_TN is not None:
@@ -268,7 +274,7 @@ class Attention(nn.Module):
             out_THD = self._attend_rotary(attn, qkv_TN, hq, hk, cos_TF, sin_TF)
             if out_THD is not None:
                 return inference.rowwise(self.o_proj, out_THD.reshape(T, -1), self.tp_reduce)
-            if qkv_TN is not None and not hasattr(self, "q_norm"):
+            if qkv_TN is not None and not hasattr(self, "q_norm") and not self.scaled_queries:
                 # q and k are adjacent columns of one product: one RoPE over their heads (one kernel;
                 # eager, half the ops of two calls: the same products per element)
                 qk_THD = apply_rope(
@@ -279,7 +285,7 @@ class Attention(nn.Module):
                 if self.qk_norm_heads:
                     q_THD = self.q_norm(q_THD)
                     k_THD = self.k_norm(k_THD)
-                q_THD = apply_rope(q_THD, cos_TF, sin_TF)
+                q_THD = apply_rope(q_THD, qcos_TF, qsin_TF)
                 k_THD = apply_rope(k_THD, cos_TF, sin_TF)
         if self.q_scale != 1.0:
             q_THD = q_THD * self.q_scale
@@ -301,6 +307,8 @@ class Attention(nn.Module):
         (OLMo 2's, already applied: q and k are no longer the product's columns)."""
         rotary = getattr(attn, "attend_rotary", None)
         if rotary is None or qkv_TN is None or self.q_scale != 1.0 or _autocast_dtype(qkv_TN.device.type) is not None:
+            return None
+        if self.scaled_queries:  # q's tables differ from k's: the kernel turns both by one
             return None
         if not hasattr(self, "q_norm"):
             return rotary(self.layer_idx, qkv_TN, hq, hk, cos_TF, sin_TF)
@@ -568,9 +576,16 @@ class Decoder(nn.Module):
         self, position_ids_T: torch.Tensor, device: torch.device, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, Dh/2] at ``position_ids_T``; [2, T, Dh/2] (the full layers', the window
-        layers') where the window layers turn otherwise (``Attention.rope_slot`` picks)."""
+        layers') where the window layers turn otherwise (``Attention.rope_slot`` picks), or (k's, q's) where
+        queries are scaled by position (Ministral 3: a scale times a rotation is the scaled rotation)."""
         cos_PF, sin_PF = self.rope.get(device, dtype)
         cos_TF, sin_TF = cos_PF[position_ids_T], sin_PF[position_ids_T]
+        if self.config.query_position_scale is not None:  # Ministral 3: q's tables times its position's scale
+            beta, period = self.config.query_position_scale
+            steps_T = torch.div(position_ids_T, period, rounding_mode="floor").to(torch.float32)
+            scale_T1 = (1.0 + beta * torch.log1p(steps_T))[:, None]
+            q_tables = ((t * scale_T1).to(t.dtype) for t in (cos_TF, sin_TF))
+            return tuple(torch.stack((t, q)) for t, q in zip((cos_TF, sin_TF), q_tables))
         if self.window_rope is None:
             return cos_TF, sin_TF
         wcos_PF, wsin_PF = self.window_rope.get(device, dtype)

@@ -39,6 +39,7 @@ _TINY_ARCHS = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "ministral3": "Ministral3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
@@ -518,7 +519,7 @@ def tiny_config(
 
     ``arch``: llama, qwen2, qwen3, mistral, olmo2, olmo3 or gemma3 (a 16-token window in every layer but the
     last; gemma3's turning at base 1,000 there), phi3,
-    smollm3 (no RoPE in layers 3, 7, ...), qwen3_moe or
+    ministral3 (queries scaled by position every 8 positions), smollm3 (no RoPE in layers 3, 7, ...), qwen3_moe or
     mixtral (4 experts, top-2, each half the
     dense MLP's width). ``kw`` overrides any other ModelConfig field
     (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``). Token ids default to the char
@@ -558,6 +559,8 @@ def tiny_config(
         fields.update(query_pre_attn_scalar=float(hidden_size // heads), tie_word_embeddings=True)
         if layers > 1:
             fields["window_rope"] = {"rope_theta": 1000.0}
+    if arch == "ministral3":  # the query scale past a short period, so that short sequences reach it
+        fields["query_position_scale"] = (0.1, 8)
     if arch == "smollm3":
         fields["nope_layers"] = tuple(i for i in range(layers) if (i + 1) % 4 == 0)
     if arch in ("qwen3_moe", "mixtral"):

@@ -1,6 +1,6 @@
 """The text model of a vision-language checkpoint, trained on its own with text prompts: Gemma 3 4B and
 larger (``Gemma3ForConditionalGeneration``) read as ``Gemma3ForCausalLM``, Mistral Small 3.1 / 3.2
-(``Mistral3ForConditionalGeneration``) as ``MistralForCausalLM``, Qwen3-VL
+(``Mistral3ForConditionalGeneration``) as ``MistralForCausalLM`` and Ministral 3's as ``Ministral3ForCausalLM``, Qwen3-VL
 (``Qwen3VLForConditionalGeneration``) as ``Qwen3ForCausalLM``. The vision tower and projector are not
 loaded; a save writes the trained text weights beside them, copied from the checkpoint the model came
 from, under that checkpoint's config.json, so that what comes out is the same vision-language checkpoint
@@ -22,12 +22,9 @@ from typing import Any
 class Layout:
     """How a vision-language checkpoint holds its text model."""
 
-    text_architecture: str
-    """areno's architecture of the text model."""
-    text_model_type: str
-    """Its ``model_type``."""
-    text_config_type: str
-    """The ``model_type`` of the file's ``text_config``."""
+    text_types: dict[str, tuple[str, str]]
+    """The ``model_type`` of the file's ``text_config`` -> areno's architecture of the text model and its
+    ``model_type``; the first where the file gives none (the vision-language config class's default)."""
     text_prefixes: tuple[tuple[str, str], ...]
     """Disk prefix of a text tensor -> the text model's prefix (every form transformers versions wrote)."""
     other_prefixes: tuple[tuple[str, str], ...]
@@ -45,9 +42,7 @@ LAYOUTS: dict[str, Layout] = {
     # released as language_model.model.*, which transformers' save_pretrained still writes and every reader reads
     **{
         outer: Layout(
-            text_architecture=arch,
-            text_model_type=model_type,
-            text_config_type=model_type,
+            text_types=types,
             text_prefixes=(
                 ("model.language_model.", "model."),
                 ("language_model.model.", "model."),
@@ -62,15 +57,16 @@ LAYOUTS: dict[str, Layout] = {
             save_prefixes=(("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
             tie_default=True,
         )
-        for outer, arch, model_type in (
-            ("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM", "gemma3_text"),
-            ("Mistral3ForConditionalGeneration", "MistralForCausalLM", "mistral"),
+        for outer, types in (
+            ("Gemma3ForConditionalGeneration", {"gemma3_text": ("Gemma3ForCausalLM", "gemma3_text")}),
+            (
+                "Mistral3ForConditionalGeneration",
+                {"mistral": ("MistralForCausalLM", "mistral"), "ministral3": ("Ministral3ForCausalLM", "ministral3")},
+            ),
         )
     },
     "Qwen3VLForConditionalGeneration": Layout(
-        text_architecture="Qwen3ForCausalLM",
-        text_model_type="qwen3",
-        text_config_type="qwen3_vl_text",
+        text_types={"qwen3_vl_text": ("Qwen3ForCausalLM", "qwen3")},
         text_prefixes=(("model.language_model.", "model."),),
         other_prefixes=(("model.visual.", "model.visual."),),
         save_prefixes=(("model.", "model.language_model."),),
@@ -89,11 +85,13 @@ def split_config(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     text = d.get("text_config")
     if not isinstance(text, dict):
         raise ValueError(f"{outer} config.json has no 'text_config' object (the text model's keys)")
-    if text.get("model_type", layout.text_config_type) != layout.text_config_type:
+    text_type = text.get("model_type", next(iter(layout.text_types)))
+    if text_type not in layout.text_types:
         raise ValueError(
-            f"{outer} config.json text_config.model_type is {text['model_type']!r}, not {layout.text_config_type!r}"
+            f"{outer} config.json text_config.model_type is {text_type!r}, not one of {sorted(layout.text_types)}"
         )
-    flat = {**text, "architectures": [layout.text_architecture], "model_type": layout.text_model_type}
+    arch, model_type = layout.text_types[text_type]
+    flat = {**text, "architectures": [arch], "model_type": model_type}
     for key in _IDS:
         if d.get(key) is not None:
             flat[key] = d[key]
@@ -102,7 +100,7 @@ def split_config(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     for key in ("rope_scaling", "rope_parameters"):
         if isinstance(flat.get(key), dict) and layout.dropped_rope_keys:
             flat[key] = {k: v for k, v in flat[key].items() if k not in layout.dropped_rope_keys}
-    return flat, {"architecture": outer, "config": d}
+    return flat, {"architecture": outer, "config": d, "text_type": text_type}
 
 
 def layout_of(container: dict[str, Any]) -> Layout:

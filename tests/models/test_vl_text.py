@@ -49,6 +49,17 @@ GEMMA3_TEXT = dict(
     rope_scaling={"rope_type": "linear", "factor": 8.0},
 )
 MISTRAL3_TEXT = dict(TEXT, sliding_window=None)
+MINISTRAL3_TEXT = dict(
+    MISTRAL3_TEXT,
+    model_type="ministral3",
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 1e6,
+        "factor": 64.0,
+        "original_max_position_embeddings": 4,
+        "llama_4_scaling_beta": 0.5,
+    },
+)
 QWEN3VL_TEXT = dict(
     TEXT,
     rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 2, 2], "mrope_interleaved": True},
@@ -69,7 +80,7 @@ QWEN3VL_VISION = dict(
     temporal_patch_size=2,
     num_position_embeddings=16,
 )
-FAMILIES = ("gemma3", "mistral3", "qwen3vl")
+FAMILIES = ("gemma3", "mistral3", "ministral3", "qwen3vl")
 
 
 def _saved_vlm(path, family: str = "gemma3", vocab: int = VOCAB, **text):
@@ -94,10 +105,11 @@ def _saved_vlm(path, family: str = "gemma3", vocab: int = VOCAB, **text):
             eoi_token_index=vocab - 2,
             eos_token_id=[1, 2],
         )
-    elif family == "mistral3":  # tied: Mistral3Config's default where the top level does not say
+    elif family in ("mistral3", "ministral3"):  # tied: Mistral3Config's default where the top level does not say
         cls = Mistral3ForConditionalGeneration
+        base = MISTRAL3_TEXT if family == "mistral3" else MINISTRAL3_TEXT
         config = Mistral3Config(
-            text_config={**MISTRAL3_TEXT, "vocab_size": vocab, "initializer_range": 0.2, **text},
+            text_config={**base, "vocab_size": vocab, "initializer_range": 0.2, **text},
             vision_config=MISTRAL3_VISION,
             image_token_index=vocab - 1,
         )
@@ -126,7 +138,13 @@ def _other_tensors(path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("family", "layout"),
-    [("gemma3", "as_saved"), ("gemma3", "module_names"), ("mistral3", "as_saved"), ("qwen3vl", "as_saved")],
+    [
+        ("gemma3", "as_saved"),
+        ("gemma3", "module_names"),
+        ("mistral3", "as_saved"),
+        ("ministral3", "as_saved"),
+        ("qwen3vl", "as_saved"),
+    ],
 )
 def test_its_text_model_loads_and_computes_the_whole_models_logprobs(family, layout, tmp_path):
     src = tmp_path / "hf"
@@ -140,6 +158,8 @@ def test_its_text_model_loads_and_computes_the_whole_models_logprobs(family, lay
     if family == "gemma3":
         assert config.architecture == "Gemma3ForCausalLM" and config.eos_token_id == (1, 2)
         assert config.window_layers == (0, 1) and config.rope_scaling["factor"] == 8.0
+    elif family == "ministral3":  # Ministral 3's queries scaled by position (period 4: the batch crosses it)
+        assert config.architecture == "Ministral3ForCausalLM" and config.query_position_scale == (0.5, 4)
     elif family == "mistral3":
         assert config.architecture == "MistralForCausalLM" and config.tie_word_embeddings
         assert config.sliding_window is None and config.head_dim == 12
@@ -339,7 +359,7 @@ def test_a_config_without_its_text_part_is_refused():
     with pytest.raises(ValueError, match="config.json has no 'text_config' object"):
         ModelConfig.from_hf(d)
     d = {**_four_b(), "text_config": {**_four_b()["text_config"], "model_type": "llama"}}
-    with pytest.raises(ValueError, match="text_config.model_type is 'llama', not 'gemma3_text'"):
+    with pytest.raises(ValueError, match=r"text_config.model_type is 'llama', not one of \['gemma3_text'\]"):
         ModelConfig.from_hf(d)
 
 
