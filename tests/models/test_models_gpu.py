@@ -24,7 +24,9 @@ def _ref_logprobs(ref, seqs):
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama", "olmo2", "olmo3", "gemma3", "phi3", "smollm3"])
+@pytest.mark.parametrize(
+    "arch", ["qwen2", "qwen3", "llama", "olmo2", "olmo3", "gemma3", "phi3", "smollm3", "ministral3"]
+)
 def test_bf16_logprob_parity_with_transformers(arch, tmp_path):
     torch.manual_seed(0)
     config = tiny_config(VOCAB, arch=arch, hidden_size=256, layers=4, heads=8, kv_heads=2, initializer_range=0.05)

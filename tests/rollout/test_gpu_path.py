@@ -71,8 +71,9 @@ def test_padding_buckets():
 
 
 @pytest.mark.gpu
-# olmo3 / gemma3: a 6-key window in layer 0 only, layer 1 in full; qwen3 / gemma3: per-head q/k norms
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo3", "gemma3"])
+# olmo3 / gemma3: a 6-key window in layer 0 only, layer 1 in full; qwen3 / gemma3: per-head q/k norms;
+# ministral3: queries scaled by position (every 8 positions), past the fused RoPE kernels
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo3", "gemma3", "ministral3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_match_eager_on_gpu(dtype, arch):
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
