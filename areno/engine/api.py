@@ -26,6 +26,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -778,6 +779,13 @@ def load_tokenizer(model_dir: Path) -> Any:
     return tokenizer
 
 
+_DISK_WRITE_FAILURE = re.compile(
+    r"inline_container\.cc|PytorchStreamWriter failed|unexpected pos \d+ vs \d+|No space left on device|StorageFull"
+    r"|Disk quota exceeded"
+)
+"""What ``torch.save`` and safetensors raise where the file they write stops growing (a full disk, a quota)."""
+
+
 def save_failure(exc: BaseException, path: Path) -> BaseException:
     """What a failed checkpoint save raises: the signal that interrupted it (DCP wraps a second Ctrl-C in its
     ``CheckpointException``), a one-line :class:`RunFailure` for the disk (full, a size limit, a file where a
@@ -788,7 +796,9 @@ def save_failure(exc: BaseException, path: Path) -> BaseException:
         if isinstance(cause, KeyboardInterrupt):
             return cause
     for cause in causes:
-        if isinstance(cause, OSError):
+        # torch.save's zip writer ("unexpected pos 704 vs 598") and safetensors ("StorageFull") report a full
+        # disk as errors of their own
+        if isinstance(cause, OSError) or (cause is not None and _DISK_WRITE_FAILURE.search(str(cause))):
             last = checkpoint.latest_complete(path.parent)
             resume = f"resume=auto goes on from {last}" if last is not None else "there is no earlier checkpoint"
             return RunFailure(

@@ -111,3 +111,23 @@ def test_a_writer_thread_that_fails_fails_the_save(tmp_path, monkeypatch):
         checkpoint.save(tmp, model, optimizer, {"step": 2})
     failure = save_failure(e.value, tmp_path / "ckpt")
     assert isinstance(failure, RunFailure) and "saving checkpoint" in str(failure)
+
+
+def test_torch_saves_own_report_of_a_full_disk_is_the_disk_failure_line(tmp_path):
+    """``torch.save``'s zip writer (under a DCP write) and safetensors (the export) report a full disk as
+    errors of their own: the same one line naming the checkpoint as an OSError gets."""
+    from areno.engine.api import save_failure
+    from areno.errors import RunFailure
+
+    for message in (
+        "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598",
+        "PytorchStreamWriter failed writing file data/0: file write failed",
+        'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })',
+    ):
+        wrapped = ValueError("a DCP writer failed")
+        wrapped.__cause__ = RuntimeError(message)
+        failure = save_failure(wrapped, tmp_path / "ckpt")
+        assert isinstance(failure, RunFailure), message
+        assert f"saving checkpoint {tmp_path / 'ckpt'} failed" in str(failure) and "free space on" in str(failure)
+    other = RuntimeError("CUDA error: an illegal memory access")
+    assert save_failure(other, tmp_path / "ckpt") is other
