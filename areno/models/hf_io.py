@@ -397,6 +397,7 @@ def save_state(
     if config.container is not None:  # the vision tower and projector as they came, read before any write
         state.update(_kept_apart(config.container, into=out_dir))
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    _drop_stale_shards(out_dir)
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     ids = {k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     gen = {k: list(v) if isinstance(v, tuple) else v for k, v in ids.items() if v is not None}
@@ -412,6 +413,22 @@ def save_state(
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
     return out_dir
+
+
+def _drop_stale_shards(out_dir: Path) -> None:
+    """An earlier sharded checkpoint's index and shards in ``out_dir``: the index would send every reader to
+    the old shards instead of the ``model.safetensors`` just written beside them."""
+    index = out_dir / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    try:
+        shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError):
+        shards = set()  # a malformed index: removed all the same, its shards left where they are
+    for name in shards - {"model.safetensors"}:
+        if isinstance(name, str) and "/" not in name:
+            (out_dir / name).unlink(missing_ok=True)
+    index.unlink()
 
 
 def _kept_apart(container: dict[str, Any], *, into: Path) -> dict[str, torch.Tensor]:

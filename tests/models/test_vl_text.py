@@ -490,12 +490,22 @@ def test_a_reward_model_trained_from_it_exports_as_a_text_classifier(family, tmp
     assert read_config(out).container is None
 
 
-def test_a_save_into_its_own_source_directory_keeps_the_vision_tower(tmp_path):
+def test_a_save_into_its_own_sharded_source_directory_keeps_the_vision_tower(tmp_path):
     src = tmp_path / "hf"
-    _saved_vlm(src)
-    before = _other_tensors(src)
+    whole = _saved_vlm(src)
+    (src / "model.safetensors").unlink()
+    whole.save_pretrained(src, max_shard_size="20KB")  # an index and its shards
+    shards = sorted(p.name for p in src.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (src / "model.safetensors.index.json").is_file()
+    before = {k: v for p in shards for k, v in load_file(str(src / p)).items() if "language_model" not in k}
     model, config = load_model(src)
-    save_model(model, config, src)  # written over the file the vision tower is read from
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    save_model(model, config, src)  # over the checkpoint the vision tower is read from
+    assert not (src / "model.safetensors.index.json").exists() and not list(src.glob("model-*.safetensors"))
     after = _other_tensors(src)
     assert sorted(after) == sorted(before) and all(torch.equal(after[k], before[k]) for k in after)
+    back, _ = load_model(src)
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values()))
     assert load_model(src)[1].replace(container=None) == config.replace(container=None)
