@@ -28,7 +28,7 @@ Supported architectures (``architectures[0]`` in ``config.json``) and what sets 
   sqrt(hidden_size), the tanh GELU, ``query_pre_attn_scalar``, windows in five layers of six with their
   own RoPE base; logit soft-capping and bidirectional attention are refused.
 - ``Gemma3ForConditionalGeneration`` (Gemma 3 4B and larger), ``Mistral3ForConditionalGeneration`` (Mistral
-  Small 3.1 / 3.2) and ``Qwen3VLForConditionalGeneration`` read as their text models (``container``;
+  Small 3.1 / 3.2, Ministral 3) and ``Qwen3VLForConditionalGeneration`` read as their text models (``container``;
   ``vl_text``): text prompts only, the vision tower kept on disk for the saves.
 
 Both the legacy ``rope_theta``/``rope_scaling`` keys and the ``rope_parameters`` dict of
@@ -188,9 +188,10 @@ class ModelConfig:
     """Qwen2.5-VL: the ``vision_config`` and image token ids of config.json (``models/vision.py``
     reads them); None for text-only models."""
     container: dict[str, Any] | None = None
-    """The vision-language checkpoint this text model is part of (Gemma 3 4B and larger: ``vl_text``):
-    ``architecture``, ``config`` (config.json's other keys) and ``source`` (the directory whose vision
-    tower and projector a save copies beside the text weights); None for a model stored alone."""
+    """The vision-language checkpoint this text model is part of (``vl_text``): ``architecture``, ``config``
+    (its whole config.json, which a save writes again), ``text_type`` (its text config's ``model_type``) and
+    ``source`` (the directory whose vision tower and projector a save copies beside the text weights); None
+    for a model stored alone."""
     num_experts: int = 0
     """Routed experts per sparse layer (HF ``num_experts`` / ``num_local_experts``); 0: a dense model.
     Only the mixture-of-experts architectures (``MOE_ARCHITECTURES``) have experts."""
@@ -553,6 +554,8 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """The ``config.json`` dict; ``transformers.AutoConfig`` reads it back to the same model."""
+        if self.container is not None:
+            return self._container_config()
         d: dict[str, Any] = {
             "architectures": [self.architecture],
             "model_type": self.model_type,
@@ -641,8 +644,6 @@ class ModelConfig:
             )
         if self.vision is not None:
             return _nest_vl(d, self)
-        if self.container is not None:
-            return self._container_config()
         return d
 
     def _container_config(self) -> dict[str, Any]:

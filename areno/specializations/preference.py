@@ -237,7 +237,7 @@ def save_reward_model(state: dict[str, torch.Tensor], config: ModelConfig, out_d
     ``score.weight`` [1, hidden] (the head has no bias: ``RewardModelSpecialization.wrap_model``).
     ``AutoModelForSequenceClassification`` and areno's scorer (``q_source=reward_model``) load it; a
     sequence's reward is the head at its last token, as trained. A vision-language checkpoint's text model
-    (Gemma 3 4B and larger) is written as a text model's classifier, without the vision tower."""
+    (``vl_text``) is written as a text model's classifier, without the vision tower."""
     assert "score.bias" not in state, "a reward model's head has no bias"
     # a vision-language checkpoint's text model scores text: its classifier is the text model's alone
     config = config.replace(container=None)
