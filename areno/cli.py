@@ -49,9 +49,11 @@ def _train(args: argparse.Namespace) -> int:
     if args.check:
         from areno.api.config import to_yaml
         from areno.api.pipeline import check_pipeline
+        from areno.api.preflight import describe_model, run_model_config
 
         config = check_pipeline(config)
         print(to_yaml(config), end="")
+        print(f"# model: {describe_model(run_model_config(config))}")
         warm = f" after {config.warm_start.steps} warm-start steps" if config.warm_start.steps > 0 else ""
         print(
             f"# areno train --check: config, data, reward and model check out: {config.train.steps} "

@@ -485,6 +485,15 @@ def run_model_config(config: ArenoConfig) -> ModelConfig:
     return tiny_config(len(build_char_tokenizer()), **config.model.init_tiny)
 
 
+def describe_model(model: ModelConfig) -> str:
+    """One line on the model a run trains: its architecture and size, and what a vision-language
+    checkpoint's text model leaves as it is."""
+    line = f"{model.architecture}, {model.num_params() / 1e6:,.1f}M parameters"
+    if model.container is not None:
+        line += f", the text model of a {model.container['architecture']} (its vision tower is kept as it is)"
+    return line
+
+
 def check_partitioned_layout(config: ArenoConfig) -> None:
     """A partitioned run's device lists, TP sizes and routing fit the devices and the model: what the
     engine checks when it is built, here before a warm start or any model load (it reads config.json

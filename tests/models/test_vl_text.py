@@ -509,3 +509,18 @@ def test_a_save_into_its_own_sharded_source_directory_keeps_the_vision_tower(tmp
     back, _ = load_model(src)
     assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values()))
     assert load_model(src)[1].replace(container=None) == config.replace(container=None)
+
+
+def test_areno_train_check_names_the_text_model_it_trains(tmp_path, capsys):
+    from areno.cli import main as areno_main
+    from areno.data.tokenizer import build_char_tokenizer
+    from tests.helpers.configs import train_args
+
+    tokenizer = build_char_tokenizer()
+    _saved_vlm(tmp_path / "model", "qwen3vl", vocab=len(tokenizer) + 4)
+    tokenizer.save_pretrained(str(tmp_path / "model"))
+    args = [a for a in train_args(tmp_path) if not a.startswith("model.init_tiny")]
+    assert areno_main([args[0], "--check", *args[1:]]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2].startswith("# model: Qwen3ForCausalLM, ")
+    assert lines[-2].endswith("the text model of a Qwen3VLForConditionalGeneration (its vision tower is kept as it is)")
