@@ -77,7 +77,9 @@ def _config(shape: str):
             vision_use_head=False,
         )
         return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=256)
-    text = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    text = dict(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
+    )
     text.update(head_dim=64, vocab_size=4096)
     vision = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, image_size=56)
     return Gemma3Config(text_config=text, vision_config={**vision, "patch_size": 14}, mm_tokens_per_image=4)
