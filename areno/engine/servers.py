@@ -119,9 +119,11 @@ class ServerRolloutSide(RolloutSide):
         cfg = self.config.rollout
         model_config = json.loads((setup.model_dir / "config.json").read_text())
         if "vision_config" in model_config:  # a vision-language model: before any server starts
+            # the text-model ones too: the servers' weight updates of the whole model are untested here
             raise ConfigError(
-                f"rollout.backend={self.backend}: {setup.model_dir} is a vision-language model and areno sends "
-                f"{self.backend} token ids only (no images): use rollout.backend=areno"
+                f"rollout.backend={self.backend}: {setup.model_dir} is a vision-language checkpoint, which areno "
+                f"trains with its own rollout engine only (its {self.backend} path sends token ids, and its weight "
+                "updates of a vision-language model are untested): use rollout.backend=areno"
             )
         if cfg.servers:
             self.urls = [u.rstrip("/") for u in cfg.servers]

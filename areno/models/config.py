@@ -28,7 +28,8 @@ Supported architectures (``architectures[0]`` in ``config.json``) and what sets 
   sqrt(hidden_size), the tanh GELU, ``query_pre_attn_scalar``, windows in five layers of six with their
   own RoPE base; logit soft-capping and bidirectional attention are refused.
 - ``Gemma3ForConditionalGeneration`` (Gemma 3 4B and larger), ``Mistral3ForConditionalGeneration`` (Mistral
-  Small 3.1 / 3.2, Ministral 3) and ``Qwen3VLForConditionalGeneration`` read as their text models (``container``;
+  Small 3.1 / 3.2, Ministral 3), ``Qwen3VLForConditionalGeneration`` and ``Qwen3VLMoeForConditionalGeneration``
+  read as their text models (``container``;
   ``vl_text``): text prompts only, the vision tower kept on disk for the saves.
 
 Both the legacy ``rope_theta``/``rope_scaling`` keys and the ``rope_parameters`` dict of
@@ -782,6 +783,12 @@ HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
                    "num_hidden_layers": 34, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                    "max_position_embeddings": 262144, "rms_norm_eps": 1e-5, "sliding_window": None,
                    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 11},
+    "qwen3_vl_moe_text": {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632,
+                          "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+                          "hidden_act": "silu", "max_position_embeddings": 128000, "initializer_range": 0.02,
+                          "rms_norm_eps": 1e-6, "attention_bias": False, "decoder_sparse_step": 1,
+                          "moe_intermediate_size": 1408, "num_experts_per_tok": 4, "num_experts": 60,
+                          "router_aux_loss_coef": 0.001, "output_router_logits": False, "rope_theta": 5e5},
     "phi3": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "sliding_window": None,
              "rope_theta": 1e4},
     "smollm3": {**_COMMON, "tie_word_embeddings": True, "max_position_embeddings": 32768, "attention_bias": False,

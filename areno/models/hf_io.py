@@ -275,7 +275,7 @@ def load_model(
                     stored_head = (f.get_tensor(disk_name), path) if tp_size == 1 else None
                     continue
                 if name in experts:
-                    _load_expert_part(f, path, name, experts[name], expected)
+                    _load_expert_part(f, path, disk_name, experts[name], expected)
                     seen.add(name)
                     continue
                 if name in packed:
@@ -292,6 +292,13 @@ def load_model(
                         f"(the checkpoint does not match config.json)"
                     )
                 target = expected[name]
+                if vl_text.fused_experts(config.container):  # its experts may be stored transposed
+                    tensor = vl_text.as_held(config.container, name, f.get_tensor(disk_name), tuple(target.shape))
+                    _rank_index(name, tuple(tensor.shape), target, plan, tp_rank, tp_size, path)  # shape check
+                    with torch.no_grad():
+                        target.copy_(tensor)
+                    seen.add(name)
+                    continue
                 index = _rank_index(
                     name, tuple(f.get_slice(disk_name).get_shape()), target, plan, tp_rank, tp_size, path
                 )
@@ -386,8 +393,9 @@ def save_state(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
-    state = packed_projections.to_disk_state(config, moe.to_disk_state(config, state))
-    state = vl_text.to_disk_state(config.container, state)
+    if not vl_text.fused_experts(config.container):  # else stored fused, as the model holds them
+        state = moe.to_disk_state(config, state)
+    state = vl_text.to_disk_state(config.container, packed_projections.to_disk_state(config, state))
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
     hf = config.to_hf()
     hf["torch_dtype"] = dtype

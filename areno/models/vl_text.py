@@ -1,7 +1,7 @@
 """The text model of a vision-language checkpoint, trained on its own with text prompts: Gemma 3 4B and
 larger (``Gemma3ForConditionalGeneration``) read as ``Gemma3ForCausalLM``, Mistral Small 3.1 / 3.2
 (``Mistral3ForConditionalGeneration``) as ``MistralForCausalLM`` and Ministral 3's as ``Ministral3ForCausalLM``, Qwen3-VL
-(``Qwen3VLForConditionalGeneration``) as ``Qwen3ForCausalLM``. The vision tower and projector are not
+(``Qwen3VLForConditionalGeneration``) as ``Qwen3ForCausalLM`` and Qwen3-VL-MoE as ``Qwen3MoeForCausalLM``. The vision tower and projector are not
 loaded; a save writes the trained text weights beside them, copied from the checkpoint the model came
 from, under that checkpoint's config.json, so that what comes out is the same vision-language checkpoint
 with a new text model. ``ModelConfig.container`` carries the architecture, the whole config.json and the
@@ -36,6 +36,13 @@ class Layout:
     vision-language config class's default, which transformers 5 reads over the text config's)."""
     dropped_rope_keys: tuple[str, ...] = ()
     """Keys of the text config's RoPE dict the text positions make moot."""
+    text_overrides: tuple[tuple[str, Any], ...] = ()
+    """config.json keys the text model's class fixes rather than reads (Qwen3-VL-MoE always renormalises
+    its top-k weights: ``norm_topk_prob``)."""
+    fused_experts: bool = False
+    """The checkpoint stores each layer's experts as the model holds them (``mlp.experts.gate_up_proj``
+    [E, 2I, D], ``down_proj`` [E, D, I]), or those transposed (the released files: [E, D, 2I], [E, I, D]),
+    not one by one."""
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -73,6 +80,16 @@ LAYOUTS: dict[str, Layout] = {
         tie_default=False,
         dropped_rope_keys=("mrope_section", "mrope_interleaved"),
     ),
+    "Qwen3VLMoeForConditionalGeneration": Layout(
+        text_types={"qwen3_vl_moe_text": ("Qwen3MoeForCausalLM", "qwen3_moe")},
+        text_prefixes=(("model.language_model.", "model."),),
+        other_prefixes=(("model.visual.", "model.visual."),),
+        save_prefixes=(("model.", "model.language_model."),),
+        tie_default=False,
+        dropped_rope_keys=("mrope_section", "mrope_interleaved"),
+        text_overrides=(("norm_topk_prob", True),),
+        fused_experts=True,
+    ),
 }
 _IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -92,9 +109,12 @@ def split_config(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         )
     arch, model_type = layout.text_types[text_type]
     flat = {**text, "architectures": [arch], "model_type": model_type}
+    if "num_local_experts" in flat:  # transformers 5 writes Qwen3-VL-MoE's num_experts under its attribute map's name
+        flat.setdefault("num_experts", flat["num_local_experts"])
     for key in _IDS:
         if d.get(key) is not None:
             flat[key] = d[key]
+    flat.update(layout.text_overrides)
     tied = d.get("tie_word_embeddings")
     flat["tie_word_embeddings"] = layout.tie_default if tied is None else tied
     for key in ("rope_scaling", "rope_parameters"):
@@ -163,3 +183,20 @@ def adapter_targets(modules: list[str]) -> str:
     """PEFT's ``target_modules`` of the text model's ``modules`` on the whole model: a pattern that leaves
     the vision tower's layers of the same names (q_proj, v_proj) without adapters."""
     return r"model\.language_model\..*\.(" + "|".join(re.escape(m) for m in modules) + ")"
+
+
+_FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def fused_experts(container: dict[str, Any] | None) -> bool:
+    """Whether ``container``'s checkpoint stores experts fused (``Layout.fused_experts``)."""
+    return container is not None and layout_of(container).fused_experts
+
+
+def as_held(container: dict[str, Any], name: str, tensor: Any, shape: tuple[int, ...]) -> Any:
+    """``tensor`` (stored under the text model's ``name``) in the layout the model holds, ``shape``: a fused
+    expert tensor of the released files transposed, any other as it is (the caller checks its shape)."""
+    if fused_experts(container) and name.endswith(_FUSED) and tuple(tensor.shape) != tuple(shape):
+        if tuple(tensor.shape) == (shape[0], shape[2], shape[1]):
+            return tensor.transpose(1, 2)
+    return tensor

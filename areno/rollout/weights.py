@@ -87,12 +87,15 @@ class EngineWeights:
         fix = f"this engine keeps serving version {self.control.version}; re-export the checkpoint"
         tied = getattr(self.model_config, "tie_word_embeddings", False)
         items = read_checkpoint(path, tied=tied, fix=fix)
-        if getattr(self.model_config, "num_experts", 0):  # a checkpoint stores experts one by one
-            items = moe.to_memory_items(self.model_config, items)
-        items = packed_projections.to_memory_items(self.model_config, items)  # Phi-3's qkv_proj / gate_up_proj
         container = getattr(self.model_config, "container", None)
         if container is not None:  # a vision-language checkpoint's text model
             items = [(name, t) for disk, t in items if (name := vl_text.text_name(container, disk)) is not None]
+        if vl_text.fused_experts(container):  # stored as held, or transposed
+            held = {n: tuple(p.shape) for n, p in self.params.items()}
+            items = [(n, vl_text.as_held(container, n, t, held[n]) if n in held else t) for n, t in items]
+        elif getattr(self.model_config, "num_experts", 0):  # a checkpoint stores experts one by one
+            items = moe.to_memory_items(self.model_config, items)
+        items = packed_projections.to_memory_items(self.model_config, items)  # Phi-3's qkv_proj / gate_up_proj
         self._check_complete(path, {name for name, _ in items}, tied, names, fix)
         self.update(items, version)
 

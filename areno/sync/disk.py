@@ -94,7 +94,10 @@ class CheckpointNamedSource(WeightSource):
         owner = {id(t): name for name, t in inputs.items()}
         self._plan = {name: [] for name in inputs}
         self._meta = []
-        disk_state = vl_text.to_disk_state(self.config.container, moe.to_disk_state(self.config, inputs))
+        fused = vl_text.fused_experts(self.config.container)  # a checkpoint that stores experts as held
+        disk_state = vl_text.to_disk_state(
+            self.config.container, inputs if fused else moe.to_disk_state(self.config, inputs)
+        )
         for disk, t in disk_state.items():
             if id(t) in owner:
                 self._plan[owner[id(t)]].append((disk, tuple(t.shape), None))

@@ -22,6 +22,8 @@ from transformers import (
     Mistral3ForConditionalGeneration,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
 )
 
 from areno.errors import ModelDirError
@@ -68,6 +70,7 @@ VISION = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
 )
 MISTRAL3_VISION = dict(VISION, head_dim=16)
+QWEN3VLMOE_TEXT = dict(QWEN3VL_TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=20)
 QWEN3VL_VISION = dict(
     depth=1,
     hidden_size=32,
@@ -80,7 +83,7 @@ QWEN3VL_VISION = dict(
     temporal_patch_size=2,
     num_position_embeddings=16,
 )
-FAMILIES = ("gemma3", "mistral3", "ministral3", "qwen3vl")
+FAMILIES = ("gemma3", "mistral3", "ministral3", "qwen3vl", "qwen3vlmoe")
 
 
 def _saved_vlm(path, family: str = "gemma3", vocab: int = VOCAB, **text):
@@ -114,9 +117,15 @@ def _saved_vlm(path, family: str = "gemma3", vocab: int = VOCAB, **text):
             image_token_index=vocab - 1,
         )
     else:
-        cls = Qwen3VLForConditionalGeneration
-        config = Qwen3VLConfig(
-            text_config={**QWEN3VL_TEXT, "vocab_size": vocab, "initializer_range": 0.2, **text},
+        moe = family == "qwen3vlmoe"
+        cls = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
+        config = (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(
+            text_config={
+                **(QWEN3VLMOE_TEXT if moe else QWEN3VL_TEXT),
+                "vocab_size": vocab,
+                "initializer_range": 0.2,
+                **text,
+            },
             vision_config=QWEN3VL_VISION,
             tie_word_embeddings=False,
             **ids,
@@ -144,11 +153,19 @@ def _other_tensors(path) -> dict[str, torch.Tensor]:
         ("mistral3", "as_saved"),
         ("ministral3", "as_saved"),
         ("qwen3vl", "as_saved"),
+        ("qwen3vlmoe", "as_saved"),
+        ("qwen3vlmoe", "released"),
     ],
 )
 def test_its_text_model_loads_and_computes_the_whole_models_logprobs(family, layout, tmp_path):
     src = tmp_path / "hf"
     ref = _saved_vlm(src, family)
+    if layout == "released":  # the released Qwen3-VL-MoE files: each layer's experts fused and transposed
+        state = load_file(str(src / "model.safetensors"))
+        fused = ("experts.gate_up_proj", "experts.down_proj")
+        released = {k: v.transpose(1, 2).contiguous() if k.endswith(fused) else v for k, v in state.items()}
+        assert any(released[k].shape != state[k].shape for k in state if k.endswith(fused))
+        save_file(released, str(src / "model.safetensors"), metadata={"format": "pt"})
     if layout == "module_names":  # transformers 4.52+'s module names: model.language_model., model.vision_tower.
         state = load_file(str(src / "model.safetensors"))
         renamed = {("model." + k.replace("language_model.model.", "language_model.")): v for k, v in state.items()}
@@ -163,6 +180,8 @@ def test_its_text_model_loads_and_computes_the_whole_models_logprobs(family, lay
     elif family == "mistral3":
         assert config.architecture == "MistralForCausalLM" and config.tie_word_embeddings
         assert config.sliding_window is None and config.head_dim == 12
+    elif family == "qwen3vlmoe":  # Qwen3-MoE's blocks, the top-k weights always renormalised
+        assert config.architecture == "Qwen3MoeForCausalLM" and config.num_experts == 4 and config.norm_topk_prob
     else:  # the multimodal RoPE of text positions: plain RoPE
         assert config.architecture == "Qwen3ForCausalLM" and config.rope_theta == 5e6 and config.rope_scaling is None
         assert not config.tie_word_embeddings and config.qk_norm
@@ -448,7 +467,8 @@ def test_a_lora_adapter_loads_in_peft_on_the_whole_model(family, tmp_path):
     src = tmp_path / "hf"
     cls = type(_saved_vlm(src, family))
     layers = cls.from_pretrained(src).config.text_config.num_hidden_layers
-    lora = LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "down_proj"))
+    last = "o_proj" if family == "qwen3vlmoe" else "down_proj"  # an expert model's MLPs are fused experts
+    lora = LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj", last))
     b = LocalTrainBackend(TrainBackendConfig(lr=0.05, device="cpu", grad_clip=None, lora=lora))
     b.initialize(src)
     for s in range(2):

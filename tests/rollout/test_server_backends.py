@@ -473,7 +473,8 @@ def test_config_of_the_server_backends_is_checked_first(tmp_path, monkeypatch):
     prepare_model_dir(cfg)
     side = ServerRolloutSide(cfg, tmp_path / "run")
     with pytest.raises(
-        ConfigError, match=r"^rollout.backend=vllm: .* is a vision-language model .*rollout.backend=areno"
+        ConfigError,
+        match=r"^rollout.backend=vllm: .* is a vision-language checkpoint, which areno .*rollout.backend=areno",
     ):
         side.start(SideSetup(recipe=None, model_dir=Path(cfg.model.path), tokenizer=None))
     assert not started
