@@ -1,11 +1,11 @@
 """The text model of a vision-language checkpoint, trained on its own with text prompts: Gemma 3 4B and
-larger (``Gemma3ForConditionalGeneration``) read as ``Gemma3ForCausalLM``, Mistral Small 3.1 / 3.2
-(``Mistral3ForConditionalGeneration``) as ``MistralForCausalLM`` and Ministral 3's as ``Ministral3ForCausalLM``, Qwen3-VL
-(``Qwen3VLForConditionalGeneration``) as ``Qwen3ForCausalLM`` and Qwen3-VL-MoE as ``Qwen3MoeForCausalLM``. The vision tower and projector are not
-loaded; a save writes the trained text weights beside them, copied from the checkpoint the model came
-from, under that checkpoint's config.json, so that what comes out is the same vision-language checkpoint
-with a new text model. ``ModelConfig.container`` carries the architecture, the whole config.json and the
-directory the untrained tensors come from (``hf_io.read_config`` sets it).
+larger (``Gemma3ForConditionalGeneration``) read as ``Gemma3ForCausalLM``; Mistral Small 3.1 / 3.2 and
+Ministral 3 (``Mistral3ForConditionalGeneration``) as ``MistralForCausalLM`` / ``Ministral3ForCausalLM``;
+Qwen3-VL and Qwen3-VL-MoE as ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``. The vision tower and projector
+are not loaded; a save writes the trained text weights beside them, copied from the checkpoint the model
+came from, under that checkpoint's config.json, so that what comes out is the same vision-language
+checkpoint with a new text model. ``ModelConfig.container`` carries the architecture, the whole config.json
+and the directory the untrained tensors come from (``hf_io.read_config`` sets it).
 
 Qwen3-VL's multimodal RoPE turns a text token by the same position in each of its sections, which is the
 plain RoPE of its text model: its ``mrope_section`` / ``mrope_interleaved`` are dropped from the text
@@ -124,6 +124,7 @@ def split_config(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def layout_of(container: dict[str, Any]) -> Layout:
+    """The ``Layout`` of ``container``'s checkpoint."""
     return LAYOUTS[container["architecture"]]
 
 
