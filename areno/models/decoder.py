@@ -584,8 +584,8 @@ class Decoder(nn.Module):
             beta, period = self.config.query_position_scale
             steps_T = torch.div(position_ids_T, period, rounding_mode="floor").to(torch.float32)
             scale_T1 = (1.0 + beta * torch.log1p(steps_T))[:, None]
-            q_tables = ((t * scale_T1).to(t.dtype) for t in (cos_TF, sin_TF))
-            return tuple(torch.stack((t, q)) for t, q in zip((cos_TF, sin_TF), q_tables))
+            qcos_TF, qsin_TF = (cos_TF * scale_T1).to(cos_TF.dtype), (sin_TF * scale_T1).to(sin_TF.dtype)
+            return torch.stack((cos_TF, qcos_TF)), torch.stack((sin_TF, qsin_TF))
         if self.window_rope is None:
             return cos_TF, sin_TF
         wcos_PF, wsin_PF = self.window_rope.get(device, dtype)

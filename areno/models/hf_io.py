@@ -386,6 +386,16 @@ def save_model(model: Decoder, config: ModelConfig, out_dir: str | Path, *, toke
     return save_state(model.state_dict(), config, out_dir, tokenizer=tokenizer)
 
 
+def checkpoint_names(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (the model's names) under the names a checkpoint of ``config`` stores: experts one by one
+    (``moe.to_disk_state``) unless the checkpoint keeps them fused as held, and a vision-language checkpoint's
+    text model under its prefix (``vl_text``). Each tensor is an input or a contiguous slice of one
+    (``CheckpointNamedSource`` plans on that); projections stay separate."""
+    if not vl_text.fused_experts(config.container):
+        state = moe.to_disk_state(config, state)
+    return vl_text.to_disk_state(config.container, state)
+
+
 def save_state(
     state: dict[str, torch.Tensor], config: ModelConfig, out_dir: str | Path, *, tokenizer: Any | None = None
 ) -> Path:
@@ -393,9 +403,7 @@ def save_state(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
-    if not vl_text.fused_experts(config.container):  # else stored fused, as the model holds them
-        state = moe.to_disk_state(config, state)
-    state = vl_text.to_disk_state(config.container, packed_projections.to_disk_state(config, state))
+    state = checkpoint_names(config, packed_projections.to_disk_state(config, state))
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
     hf = config.to_hf()
     hf["torch_dtype"] = dtype

@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from areno.models import moe, vl_text
+from areno.models import moe
 from areno.models.config import ModelConfig
+from areno.models.hf_io import checkpoint_names
 from areno.sync.base import PolicySyncTransport, SyncStats, WeightSource, full_tensor
 
 COMPLETE = "COMPLETE"
@@ -75,8 +76,8 @@ class CheckpointNamedSource(WeightSource):
     every other tensor as it comes. What vLLM and SGLang load (their
     loaders know the checkpoint's names only), from disk or over their weight-transfer routes.
 
-    The plan is ``to_disk_state`` run once, on meta tensors shaped as ``source.meta()``: each tensor it
-    returns is one of its inputs (renamed at most) or a contiguous slice of one, which each sync cuts
+    The plan is ``hf_io.checkpoint_names`` run once, on meta tensors shaped as ``source.meta()``: each
+    tensor it returns is one of its inputs (renamed at most) or a contiguous slice of one, which each sync cuts
     from the full tensor in the same place. So a sync still gathers and hands over one tensor at a
     time, and the mapping is built once, not per tensor.
     """
@@ -94,11 +95,7 @@ class CheckpointNamedSource(WeightSource):
         owner = {id(t): name for name, t in inputs.items()}
         self._plan = {name: [] for name in inputs}
         self._meta = []
-        fused = vl_text.fused_experts(self.config.container)  # a checkpoint that stores experts as held
-        disk_state = vl_text.to_disk_state(
-            self.config.container, inputs if fused else moe.to_disk_state(self.config, inputs)
-        )
-        for disk, t in disk_state.items():
+        for disk, t in checkpoint_names(self.config, inputs).items():
             if id(t) in owner:
                 self._plan[owner[id(t)]].append((disk, tuple(t.shape), None))
             else:
