@@ -125,6 +125,11 @@ class ServerRolloutSide(RolloutSide):
                 f"trains with its own rollout engine only (its {self.backend} path sends token ids, and its weight "
                 "updates of a vision-language model are untested): use rollout.backend=areno"
             )
+        if "GptOssForCausalLM" in (model_config.get("architectures") or []):
+            raise ConfigError(
+                f"rollout.backend={self.backend}: {setup.model_dir} is a gpt-oss checkpoint, whose weight updates "
+                f"into {self.backend} (its fused, interleaved experts) areno has not tested: use rollout.backend=areno"
+            )
         if cfg.servers:
             self.urls = [u.rstrip("/") for u in cfg.servers]
             api_key = cfg.server_api_key

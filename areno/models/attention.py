@@ -31,6 +31,9 @@ class AttentionBackend(Protocol):
     the same attention from a fused q/k/v product before RoPE (with ``qk_norm``, a ``HeadNorms``, before
     its per-head norms too), or None when it cannot serve it (the decoder then norms, rotates and calls
     the backend); the rollout engine's ``PagedAttention`` has one.
+
+    Layers with attention sinks (gpt-oss) pass ``sinks_H=`` [Hq], a logit per query head that joins each
+    softmax's denominator (``sink_attention``); only the layers of such models pass it.
     """
 
     def __call__(
@@ -49,6 +52,51 @@ class HeadNorms:
     eps: float
     offset: float = 0.0
     scale_in_float32: bool = False
+
+
+def sink_attention(
+    q_QHD: torch.Tensor,
+    k_KHD: torch.Tensor,
+    v_KHD: torch.Tensor,
+    sinks_H: torch.Tensor,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of Q queries, the last Q of K key positions, with a learned logit per query head
+    that joins each softmax's denominator and has no value (gpt-oss's sinks: transformers' eager
+    attention with the sink as one more column, dropped after the softmax). Explicit scores in float32,
+    over query blocks of at most ``SINK_SCORES_MAX`` entries; the result in q's dtype. ``window``: a query
+    sees the last ``window`` keys up to itself."""
+    Q, H, D = q_QHD.shape
+    K, G = k_KHD.shape[0], H // k_KHD.shape[1]
+    k_HKD = k_KHD.transpose(0, 1).float().repeat_interleave(G, 0)
+    v_HKD = v_KHD.transpose(0, 1).float().repeat_interleave(G, 0)
+    qpos_Q = torch.arange(K - Q, K, device=q_QHD.device)
+    kpos_K = torch.arange(K, device=q_QHD.device)
+    sink_H11 = sinks_H.float()[:, None, None]
+    step = max(1, SINK_SCORES_MAX // max(1, H * K))
+    outs = []
+    for s in range(0, Q, step):
+        q_HqD = q_QHD[s : s + step].transpose(0, 1).float()
+        keep_qK = kpos_K[None, :] <= qpos_Q[s : s + step, None]
+        if window is not None:
+            keep_qK &= kpos_K[None, :] > qpos_Q[s : s + step, None] - window
+        scores_HqK = torch.matmul(q_HqD, k_HKD.transpose(1, 2)).mul_(D**-0.5).masked_fill(~keep_qK, float("-inf"))
+        sink_Hq1 = sink_H11.expand(H, scores_HqK.shape[1], 1)
+        probs_HqK = torch.softmax(torch.cat((scores_HqK, sink_Hq1), dim=-1), dim=-1)[..., :-1]
+        outs.append(torch.matmul(probs_HqK, v_HKD).transpose(0, 1))
+    return (torch.cat(outs) if len(outs) > 1 else outs[0]).to(q_QHD.dtype)
+
+
+SINK_SCORES_MAX = 1 << 24
+"""Score entries (heads x queries x keys) ``sink_attention`` computes at once (64 MB in float32)."""
+
+
+def apply_sinks(out_BHTD: torch.Tensor, lse_BHT: torch.Tensor, sinks_H: torch.Tensor) -> torch.Tensor:
+    """Attention output without sinks rescaled to the output with them: a sink s adds e^s to the
+    softmax's denominator e^lse, so every weight shrinks by e^lse / (e^lse + e^s) = sigmoid(lse - s).
+    Differentiable through ``lse`` where the kernel that gave it is (flex attention)."""
+    scale_BHT = torch.sigmoid(lse_BHT.float() - sinks_H.float()[None, :, None])
+    return (out_BHTD.float() * scale_BHT[..., None]).to(out_BHTD.dtype)
 
 
 SDPA_MASK_MAX_TOKENS = 2048
@@ -80,14 +128,25 @@ class PackedCausalAttention:
       sdpa_mask up to ``SDPA_MASK_MAX_TOKENS`` tokens, else per-sequence sdpa.
     ``prepare`` builds the mask (or boundaries, or padded layout) once; ``Decoder.forward`` calls it before the
     layers, so compiled layers only read it (no host sync or mask construction inside them).
+
+    With ``sinks`` (gpt-oss) ``auto`` is flex on CUDA (its log-sum-exp rescaled by ``apply_sinks``) and
+    sdpa elsewhere, whose per-sequence calls are then ``sink_attention``; the other impls are refused.
     """
 
     IMPLS = ("auto", "sdpa", "sdpa_mask", "sdpa_padded", "flex", "varlen")
 
+    SINK_IMPLS = ("auto", "sdpa", "flex")
+
     @classmethod
     def for_model(cls, cu_seqlens_B1: torch.Tensor, config: ModelConfig, impl: str = "auto") -> PackedCausalAttention:
-        """The attention of ``config``'s layers: its window, in the layers that take it."""
-        return cls(cu_seqlens_B1, sliding_window=config.sliding_window, impl=impl, window_layers=config.window_layers)
+        """The attention of ``config``'s layers: its window, in the layers that take it; its sinks."""
+        return cls(
+            cu_seqlens_B1,
+            sliding_window=config.sliding_window,
+            impl=impl,
+            window_layers=config.window_layers,
+            sinks=config.attention_sinks,
+        )
 
     def __init__(
         self,
@@ -96,14 +155,22 @@ class PackedCausalAttention:
         sliding_window: int | None = None,
         impl: str = "auto",
         window_layers: tuple[int, ...] | None = None,
+        sinks: bool = False,
     ) -> None:
         if impl not in self.IMPLS:
             raise ValueError(f"PackedCausalAttention impl must be one of {self.IMPLS}, got {impl!r}")
+        if sinks and impl not in self.SINK_IMPLS:
+            raise ValueError(
+                f"attention with sinks (gpt-oss) runs as one of {self.SINK_IMPLS}, not impl={impl!r}: use auto"
+            )
         self.cu_seqlens_B1 = cu_seqlens_B1
         self.sliding_window = sliding_window
+        self.sinks = sinks
         self.window_layers = window_layers if sliding_window is not None else None
         # where only some layers slide, the others attend through a window-less twin (its own mask or layout)
-        self._full = None if self.window_layers is None else PackedCausalAttention(cu_seqlens_B1, impl=impl)
+        self._full = (
+            None if self.window_layers is None else PackedCausalAttention(cu_seqlens_B1, impl=impl, sinks=sinks)
+        )
         self.impl = impl
         self._prepared_for: tuple | None = None
         self._cuda_impl = "auto"
@@ -137,6 +204,18 @@ class PackedCausalAttention:
         if self._prepared_for == (num_tokens, device, small_heads, flash_ok, self._cuda_impl):
             return
         impl, layout = self.impl, None
+        if self.sinks and self._cuda_impl not in ("auto", "flex"):
+            raise ValueError(
+                f"train.attention={self._cuda_impl}: attention with sinks (gpt-oss) runs as flex on CUDA (flash's "
+                "varlen kernel has no sinks); set train.attention=auto"
+            )
+        if self.sinks and impl == "auto":  # the impls that take a sink: flex's log-sum-exp, or explicit scores
+            impl = "flex" if device.type == "cuda" and not small_heads else "sdpa"
+        if self.sinks and impl == "flex" and (device.type != "cuda" or small_heads):
+            raise ValueError(
+                "attention with sinks as flex runs on CUDA with head dims of at least "
+                f"{FLEX_MIN_HEAD_DIM} (its backward); use impl auto here"
+            )
         if impl == "auto":
             if device.type == "cuda":
                 impl = "varlen" if self._cuda_impl == "auto" else self._cuda_impl
@@ -208,11 +287,16 @@ class PackedCausalAttention:
         # Compiled mask construction never materialises a [T, T] mask on the GPU.
         return create_block_mask(mask_mod, None, None, T, T, device=device, _compile=device.type == "cuda")
 
-    def _sdpa_per_sequence(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
+    def _sdpa_per_sequence(
+        self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, sinks_H: torch.Tensor | None = None
+    ) -> torch.Tensor:
         bounds = self._state
         outs = []
         for s, e in zip(bounds[:-1], bounds[1:]):
             if e == s:
+                continue
+            if sinks_H is not None:
+                outs.append(sink_attention(q_THD[s:e], k_THD[s:e], v_THD[s:e], sinks_H, self.sliding_window))
                 continue
             q, k, v = (x[s:e].transpose(0, 1) for x in (q_THD, k_THD, v_THD))  # [H, n, Dh]
             if self.sliding_window is not None and e - s > self.sliding_window:
@@ -236,13 +320,22 @@ class PackedCausalAttention:
             q_THD, k_THD, v_THD, cu, cu, max_len, max_len, self.sliding_window, has_gqa=has_gqa, has_window=has_window
         )
 
-    def __call__(self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        layer_idx: int,
+        q_THD: torch.Tensor,
+        k_THD: torch.Tensor,
+        v_THD: torch.Tensor,
+        sinks_H: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if self._full is not None and layer_idx not in self.window_layers:
-            return self._full(layer_idx, q_THD, k_THD, v_THD)
+            return self._full(layer_idx, q_THD, k_THD, v_THD, sinks_H)
+        if (sinks_H is not None) != self.sinks:
+            raise ValueError(f"attention built with sinks={self.sinks} called with sinks_H={sinks_H is not None}")
         self.prepare(q_THD.shape[0], q_THD.device, q_THD.shape[-1], q_THD.dtype, query_heads=q_THD.shape[1])
         impl = self._impl
         if impl == "sdpa":
-            return self._sdpa_per_sequence(q_THD, k_THD, v_THD)
+            return self._sdpa_per_sequence(q_THD, k_THD, v_THD, sinks_H)
         if impl == "varlen":
             return self._varlen(q_THD, k_THD, v_THD)
         if impl == "sdpa_padded":
@@ -255,7 +348,13 @@ class PackedCausalAttention:
             # dims (16): the main kernel there (checked on an H100; larger shapes keep inductor's choice)
             small = q.shape[-2] < FLEX_DECODING_MIN_QUERIES and q.shape[-1] < 64
             options = {"FORCE_USE_FLEX_ATTENTION": True} if small else None
-            out = _compiled_flex_attention()(q, k, v, block_mask=self._state, enable_gqa=True, kernel_options=options)
+            flex = _compiled_flex_attention()
+            if sinks_H is not None:
+                out, lse = flex(
+                    q, k, v, block_mask=self._state, enable_gqa=True, kernel_options=options, return_lse=True
+                )
+                return apply_sinks(out, lse, sinks_H).squeeze(0).transpose(0, 1)
+            out = flex(q, k, v, block_mask=self._state, enable_gqa=True, kernel_options=options)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._state, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)

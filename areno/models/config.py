@@ -27,6 +27,10 @@ Supported architectures (``architectures[0]`` in ``config.json``) and what sets 
   whose weights are offsets from 1 (``norm_weight_offset``), Qwen3's q/k norms, embeddings scaled by
   sqrt(hidden_size), the tanh GELU, ``query_pre_attn_scalar``, windows in five layers of six with their
   own RoPE base; logit soft-capping and bidirectional attention are refused.
+- ``GptOssForCausalLM``  (gpt-oss) q/k/v/o bias, a learned sink logit per query head in every softmax
+  (``attention_sinks``), a 128-token window in every other layer, YaRN; an expert block in every layer
+  whose router and experts have biases (``expert_bias``) and whose SwiGLU is clamped
+  (``swiglu_limit``, ``swiglu_alpha``); its MXFP4 experts are dequantized on load.
 - ``Gemma3ForConditionalGeneration`` (Gemma 3 4B and larger), ``Mistral3ForConditionalGeneration`` (Mistral
   Small 3.1 / 3.2, Ministral 3), ``Qwen3VLForConditionalGeneration`` and ``Qwen3VLMoeForConditionalGeneration``
   read as their text models (``container``;
@@ -62,6 +66,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 SEQUENCE_CLASSIFIER_SUFFIX = "ForSequenceClassification"
 """transformers' scalar-head layout (``score.weight`` [num_labels, hidden] on the decoder, no LM
@@ -76,7 +81,8 @@ def causal_architecture(arch: str) -> str:
     return arch
 
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+GPT_OSS = "GptOssForCausalLM"
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", GPT_OSS)
 WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "Ministral3ForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 """The layouts transformers gives one sliding window in every layer (``sliding_window`` in config.json)."""
 LAYER_TYPE_ARCHITECTURES = (
@@ -86,6 +92,7 @@ LAYER_TYPE_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "Olmo3ForCausalLM",
     "Gemma3ForCausalLM",
+    GPT_OSS,
 )
 """The layouts whose transformers class reads a window per layer (``layer_types``, or Qwen's
 ``use_sliding_window`` + ``max_window_layers``)."""
@@ -211,6 +218,17 @@ class ModelConfig:
     output_router_logits: bool = False
     """Add ``router_aux_loss_coef`` x the load-balancing loss (Switch Transformer's, as transformers
     computes it) to the training loss, as transformers does when its config sets this flag."""
+    attention_sinks: bool = False
+    """A learned logit per query head joins every softmax's denominator with no value (gpt-oss's
+    ``self_attn.sinks``): attention weights sum to less than 1."""
+    expert_bias: bool = False
+    """The router and every expert's gate/up and down projections have biases (gpt-oss)."""
+    swiglu_limit: float | None = None
+    """gpt-oss's clamped SwiGLU in the experts: the gate clamped to at most ``swiglu_limit``, the up
+    projection to within +-``swiglu_limit``, and ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``; None:
+    ``silu(gate) * up``."""
+    swiglu_alpha: float = 1.0
+    """The gate's sigmoid scale of the clamped SwiGLU (gpt-oss: 1.702)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -246,6 +264,7 @@ class ModelConfig:
             )
         self._check_arch_flags()
         self._check_moe()
+        self._check_gpt_oss()
         if self.rope_scaling is not None:
             object.__setattr__(self, "rope_scaling", _normalized_scaling(self.rope_scaling))
         self._check_windows()
@@ -310,6 +329,7 @@ class ModelConfig:
                 *OLMO_ARCHITECTURES,
                 "SmolLM3ForCausalLM",
                 GEMMA3,
+                GPT_OSS,
             )
             and self.attention_bias != self.attention_out_bias
         ):
@@ -403,12 +423,29 @@ class ModelConfig:
             )
         if self.router_aux_loss_coef < 0:
             raise ValueError(f"ModelConfig.router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
-        if arch == "MixtralForCausalLM" and (
+        if arch in ("MixtralForCausalLM", GPT_OSS) and (
             not self.norm_topk_prob or self.decoder_sparse_step != 1 or self.mlp_only_layers
         ):
             raise ValueError(
-                "MixtralForCausalLM renormalises top-k weights in every layer: norm_topk_prob=True, "
+                f"{arch} renormalises top-k weights in every layer: norm_topk_prob=True, "
                 "decoder_sparse_step=1, mlp_only_layers=()"
+            )
+
+    def _check_gpt_oss(self) -> None:
+        """gpt-oss's own fields (sinks, expert biases, the clamped SwiGLU) on gpt-oss only, all of them."""
+        is_oss = self.architecture == GPT_OSS
+        if self.swiglu_limit is not None and self.swiglu_limit <= 0:
+            raise ValueError(f"ModelConfig.swiglu_limit must be > 0 or None, got {self.swiglu_limit}")
+        if is_oss and (self.rope_scaling or {}).get("rope_type") != "yarn":
+            raise ValueError(
+                f"{GPT_OSS} turns by YaRN (transformers 5 gives it YaRN whatever config.json says): set rope_scaling "
+                "to a yarn dict"
+            )
+        ours = (self.attention_sinks, self.expert_bias, self.swiglu_limit is not None)
+        if (ours != (True,) * 3 and is_oss) or (any(ours) and not is_oss) or (self.swiglu_alpha != 1.0 and not is_oss):
+            raise ValueError(
+                f"attention_sinks, expert_bias and swiglu_limit/swiglu_alpha are {GPT_OSS}'s and all set there, "
+                f"not {ours} for {self.architecture}"
             )
 
     def is_moe_layer(self, layer_idx: int) -> bool:
@@ -452,6 +489,10 @@ class ModelConfig:
             attn += 2 * dh if self.qk_norm_scope == "head" else (hq + hkv) * dh
         mlp = 3 * d * inter + ((2 * inter + d) if self.mlp_bias else 0)
         moe = self.num_experts * (3 * d * self.moe_intermediate_size + d)  # experts + router row
+        if self.expert_bias:  # the router's and each expert's gate/up and down biases
+            moe += self.num_experts * (1 + 2 * self.moe_intermediate_size + d)
+        if self.attention_sinks:
+            attn += hq
         sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
         layer = attn + (4 if self.norm_layout == "sandwich" else 2) * d
         total = self.vocab_size * d + self.num_hidden_layers * layer + d
@@ -586,6 +627,7 @@ class ModelConfig:
             *OLMO_ARCHITECTURES,
             "SmolLM3ForCausalLM",
             GEMMA3,
+            GPT_OSS,
         ):
             d["attention_bias"] = self.attention_bias
         if self.architecture in ("LlamaForCausalLM", "SmolLM3ForCausalLM"):
@@ -600,7 +642,7 @@ class ModelConfig:
             if self.architecture != "Qwen3MoeForCausalLM":
                 # every layer from the first windowed one slides, as transformers reads it; layer_types says so too
                 d["max_window_layers"] = min(self.window_layers or (0,)) if self.sliding_window else 0
-        if self.architecture in WINDOWED_ARCHITECTURES + ROPE_PER_TYPE_ARCHITECTURES:
+        if self.architecture in (*WINDOWED_ARCHITECTURES, *ROPE_PER_TYPE_ARCHITECTURES, GPT_OSS):
             d["sliding_window"] = self.sliding_window
         if self.architecture in LAYER_TYPE_ARCHITECTURES and (
             self.window_layers or self.architecture in ROPE_PER_TYPE_ARCHITECTURES
@@ -637,6 +679,13 @@ class ModelConfig:
             # Mixtral's experts are intermediate_size wide; areno keeps the dense width apart
             d.update(num_local_experts=self.num_experts, intermediate_size=self.moe_intermediate_size)
             d["router_jitter_noise"] = 0.0
+        if self.architecture == GPT_OSS:
+            d.update(
+                num_local_experts=self.num_experts,
+                intermediate_size=self.moe_intermediate_size,
+                swiglu_limit=self.swiglu_limit,
+                swiglu_alpha=self.swiglu_alpha,
+            )
         if self.num_experts:
             d.update(
                 num_experts_per_tok=self.num_experts_per_tok,
@@ -683,6 +732,9 @@ def _refuse_quantized(d: dict[str, Any]) -> None:
     method, before its scale and packed tensors read as a checkpoint that does not match config.json."""
     for where in (d, d.get("text_config") if isinstance(d.get("text_config"), dict) else {}):
         q = where.get("quantization_config")
+        if q and (d.get("architectures") or [None])[0] == GPT_OSS and isinstance(q, dict):
+            if q.get("quant_method") == "mxfp4":  # its experts, dequantized on load (``gpt_oss``)
+                continue
         if q:
             method = q.get("quant_method", "unknown method") if isinstance(q, dict) else q
             raise ValueError(
@@ -728,6 +780,17 @@ def _read_moe(arch: str, d: dict[str, Any]) -> dict[str, Any]:
         router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
         output_router_logits=bool(d.get("output_router_logits", False)),
     )
+    if arch == GPT_OSS:
+        return dict(
+            num_experts=d.get("num_local_experts", 128),
+            moe_intermediate_size=d["intermediate_size"],
+            norm_topk_prob=True,  # a softmax over the top-k logits: the top-k of the softmax, renormalised
+            attention_sinks=True,
+            expert_bias=True,
+            swiglu_limit=float(d.get("swiglu_limit", 7.0)),
+            swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
+            **common,
+        )
     if arch == "MixtralForCausalLM":
         if d.get("router_jitter_noise"):
             raise ValueError(
@@ -791,6 +854,14 @@ HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
                           "router_aux_loss_coef": 0.001, "output_router_logits": False, "rope_theta": 5e5},
     "phi3": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "sliding_window": None,
              "rope_theta": 1e4},
+    "gpt_oss": {**_COMMON, "rms_norm_eps": 1e-5, "vocab_size": 201088, "hidden_size": 2880,
+                "intermediate_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
+                "head_dim": 64, "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128,
+                "max_position_embeddings": 131072, "attention_bias": True, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+                "router_aux_loss_coef": 0.001, "output_router_logits": False,
+                "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "truncate": False, "original_max_position_embeddings": 4096},
+                "rope_theta": 150000.0},
     "smollm3": {**_COMMON, "tie_word_embeddings": True, "max_position_embeddings": 32768, "attention_bias": False,
                 "mlp_bias": False, "use_sliding_window": False, "sliding_window": None, "no_rope_layer_interval": 4,
                 "rope_theta": 2e6},
@@ -805,10 +876,13 @@ before the first rollout token."""
 def _with_hf_defaults(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
     """``d`` with the keys transformers would default filled in (``HF_CLASS_DEFAULTS``): a hand-written
     config.json without them computes what transformers computes; the RoPE theta only where the file
-    gives none in any of its keys."""
+    gives none in any of its keys, its scaling (gpt-oss's YaRN) only where the file gives no RoPE dict."""
     defaults = dict(HF_CLASS_DEFAULTS.get(model_type, {}))
     theta = defaults.pop("rope_theta", None)
+    scaling = defaults.pop("rope_scaling", None)
     out = {**defaults, **d}
+    if scaling is not None and not any(isinstance(d.get(k), dict) for k in ("rope_parameters", "rope_scaling")):
+        out["rope_scaling"] = dict(scaling)
     rope_given = d.get("rope_theta") is not None or any(
         isinstance(d.get(k), dict)
         and ("rope_theta" in d[k] or any(isinstance(v, dict) and "rope_theta" in v for v in d[k].values()))
@@ -837,6 +911,10 @@ def _sliding_window(arch: str, d: dict[str, Any]) -> tuple[int | None, tuple[int
             return window, None
     elif arch in ("LlamaForCausalLM", "Olmo2ForCausalLM"):
         return None, None  # transformers gives them no window
+    elif arch == GPT_OSS:
+        window = d.get("sliding_window")
+        if types is None:  # GptOssConfig's default: every other layer slides, the first among them
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
     elif arch in ROPE_PER_TYPE_ARCHITECTURES:
         window = d.get("sliding_window")
         if types is None:  # the config classes' default: every fourth (OLMo 3) or sixth (Gemma 3) layer full

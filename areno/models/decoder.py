@@ -243,6 +243,8 @@ class Attention(nn.Module):
         self.q_scale = 1.0 if scalar is None else math.sqrt(dh / scalar)
         self.qkv: fused_linear.FusedRows | None = None
         """Set by ``Decoder.fuse_projections``: q/k/v weights as row slices of one tensor."""
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
+        """gpt-oss: a logit per query head in every softmax's denominator (``attention.sink_attention``)."""
 
     def forward(
         self, x_TD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor, attn: AttentionBackend
@@ -289,7 +291,10 @@ class Attention(nn.Module):
                 k_THD = apply_rope(k_THD, cos_TF, sin_TF)
         if self.q_scale != 1.0:
             q_THD = q_THD * self.q_scale
-        out_THD = attn(self.layer_idx, *_in_autocast_dtype(q_THD, k_THD, v_THD))
+        if self.sinks is not None:
+            out_THD = attn(self.layer_idx, *_in_autocast_dtype(q_THD, k_THD, v_THD), sinks_H=self.sinks)
+        else:
+            out_THD = attn(self.layer_idx, *_in_autocast_dtype(q_THD, k_THD, v_THD))
         return inference.rowwise(self.o_proj, out_THD.reshape(T, -1), self.tp_reduce)
 
     def _attend_rotary(
@@ -310,10 +315,11 @@ class Attention(nn.Module):
             return None
         if self.scaled_queries:  # q's tables differ from k's: the kernel turns both by one
             return None
+        sinks = {} if self.sinks is None else {"sinks_H": self.sinks}
         if not hasattr(self, "q_norm"):
-            return rotary(self.layer_idx, qkv_TN, hq, hk, cos_TF, sin_TF)
+            return rotary(self.layer_idx, qkv_TN, hq, hk, cos_TF, sin_TF, **sinks)
         if self.qk_norm_heads:
-            return rotary(self.layer_idx, qkv_TN, hq, hk, cos_TF, sin_TF, qk_norm=self.head_norms())
+            return rotary(self.layer_idx, qkv_TN, hq, hk, cos_TF, sin_TF, qk_norm=self.head_norms(), **sinks)
         return None
 
     def head_norms(self) -> HeadNorms:
@@ -436,7 +442,7 @@ class DecoderModel(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral / OLMo 2 / OLMo 3 / Gemma 3 / Phi-3 / SmolLM3 decoder over packed
+    """Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral / OLMo 2 / OLMo 3 / Gemma 3 / Phi-3 / SmolLM3 / gpt-oss decoder over packed
     1-D token streams.
 
     Tensor parallelism without torch.distributed in the model: with ``tp_size > 1`` this module
@@ -493,6 +499,8 @@ class Decoder(nn.Module):
                 module.weight.fill_(1.0 - module.offset)  # a scale of 1 (Gemma 3's weights: offsets from 1)
             elif isinstance(module, moe.SparseMoE):
                 module.reset_parameters(std)
+            elif isinstance(module, Attention) and module.sinks is not None:
+                module.sinks.normal_(0.0, std)  # transformers' init of GptOssAttention.sinks
         pad = self.config.pad_token_id
         if pad is not None and 0 <= pad < self.config.vocab_size:
             self.model.embed_tokens.weight[pad].zero_()

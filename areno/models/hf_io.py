@@ -25,8 +25,8 @@ from safetensors.torch import save_file
 from torch.overrides import TorchFunctionMode
 
 from areno.errors import ConfigError, ModelDirError, is_of_type, wrong_type
-from areno.models import moe, packed_projections, vl_text
-from areno.models.config import SEQUENCE_CLASSIFIER_SUFFIX, SUPPORTED_ARCHITECTURES, ModelConfig
+from areno.models import gpt_oss, moe, packed_projections, vl_text
+from areno.models.config import GPT_OSS, SEQUENCE_CLASSIFIER_SUFFIX, SUPPORTED_ARCHITECTURES, ModelConfig
 from areno.models.decoder import Decoder
 from areno.models.tp_plan import TPReduce, shard_dim, tp_plan, tp_style
 from areno.models.vision import VisionConfig, VisionLanguageModel, processor_config, read_pixel_limits
@@ -47,6 +47,7 @@ _TINY_ARCHS = {
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -264,11 +265,21 @@ def load_model(
         with torch.no_grad():
             expected["lm_head.weight"].zero_()
         seen.add("lm_head.weight")
+    oss = gpt_oss.HeldTensors() if config.architecture == GPT_OSS else None
     for path in safetensors_files(model_dir):
         with open_safetensors(path) as f:
             for disk_name in f.keys():
                 name = disk_name if config.container is None else vl_text.text_name(config.container, disk_name)
                 if name is None or name.endswith(_IGNORED_SUFFIXES) or (classifier and name in SCORE_HEAD_KEYS):
+                    continue
+                if oss is not None and gpt_oss.is_disk_name(name):  # renamed, laid out as held, dequantized
+                    for held, tensor in oss.held(name, f.get_tensor(disk_name)):
+                        if held not in expected:
+                            raise ModelDirError(f"unexpected tensor {disk_name!r} in {path} for {config.architecture}")
+                        _rank_index(held, tuple(tensor.shape), expected[held], plan, tp_rank, tp_size, path)
+                        with torch.no_grad():
+                            expected[held].copy_(tensor)
+                        seen.add(held)
                     continue
                 if name == "lm_head.weight" and config.tie_word_embeddings:
                     # some tied checkpoints store the duplicate; the embedding is the source (checked below)
@@ -308,6 +319,8 @@ def load_model(
                 with torch.no_grad():
                     target.copy_(tensor)
                 seen.add(name)
+    if oss is not None and oss.unpaired():
+        raise ModelDirError(f"{model_dir}: MXFP4 tensor {oss.unpaired()[0]!r} is stored without its other half")
     if stored_head is not None:
         head, path = stored_head
         embedding = next(t for n, t in expected.items() if n.endswith("embed_tokens.weight"))
@@ -391,7 +404,9 @@ def checkpoint_names(config: ModelConfig, state: dict[str, torch.Tensor]) -> dic
     (``moe.to_disk_state``) unless the checkpoint keeps them fused as held, and a vision-language checkpoint's
     text model under its prefix (``vl_text``). Each tensor is an input or a contiguous slice of one
     (``CheckpointNamedSource`` plans on that); projections stay separate."""
-    if not vl_text.fused_experts(config.container):
+    if config.architecture == GPT_OSS:
+        state = gpt_oss.to_disk_state(state)
+    elif not vl_text.fused_experts(config.container):
         state = moe.to_disk_state(config, state)
     return vl_text.to_disk_state(config.container, state)
 
@@ -552,9 +567,9 @@ def tiny_config(
 
     ``arch``: llama, qwen2, qwen3, mistral, olmo2, olmo3 or gemma3 (a 16-token window in every layer but the
     last; gemma3's turning at base 1,000 there), phi3,
-    ministral3 (queries scaled by position every 8 positions), smollm3 (no RoPE in layers 3, 7, ...), qwen3_moe or
-    mixtral (4 experts, top-2, each half the
-    dense MLP's width). ``kw`` overrides any other ModelConfig field
+    ministral3 (queries scaled by position every 8 positions), smollm3 (no RoPE in layers 3, 7, ...), qwen3_moe,
+    mixtral (4 experts, top-2, each half the dense MLP's width) or gpt_oss (those experts with biases and the
+    clamped SwiGLU, attention biases and sinks, a 16-token window in every other layer from the first). ``kw`` overrides any other ModelConfig field
     (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``). Token ids default to the char
     tokenizer's (pad 0, bos 1, eos 2).
     """
@@ -564,7 +579,7 @@ def tiny_config(
     if arch not in _TINY_ARCHS:
         raise ValueError(f"tiny_config arch must be one of {sorted(_TINY_ARCHS)}, got {arch!r}")
     architecture = _TINY_ARCHS[arch]
-    qkv_bias = arch == "qwen2"
+    qkv_bias = arch in ("qwen2", "gpt_oss")
     fields: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -575,7 +590,7 @@ def tiny_config(
         head_dim=hidden_size // heads,
         max_position_embeddings=2048,
         attention_bias=qkv_bias,
-        attention_out_bias=False,
+        attention_out_bias=arch == "gpt_oss",
         qk_norm=arch in ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3"),
         qk_norm_scope="projection" if arch in ("olmo2", "olmo3") else "head",
         norm_layout="post" if arch in ("olmo2", "olmo3") else "sandwich" if arch == "gemma3" else "pre",
@@ -596,10 +611,17 @@ def tiny_config(
         fields["query_position_scale"] = (0.1, 8)
     if arch == "smollm3":
         fields["nope_layers"] = tuple(i for i in range(layers) if (i + 1) % 4 == 0)
-    if arch in ("qwen3_moe", "mixtral"):
+    if arch in ("qwen3_moe", "mixtral", "gpt_oss"):
         fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size)
-        fields["norm_topk_prob"] = arch == "mixtral"
+        fields["norm_topk_prob"] = arch in ("mixtral", "gpt_oss")
+    if arch == "gpt_oss":
+        fields["intermediate_size"] = hidden_size  # one width, the experts' (config.json has no other)
+        fields.update(attention_sinks=True, expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)
+        fields.update(sliding_window=16, window_layers=tuple(range(0, layers, 2)))
+        # transformers 5 gives every gpt-oss YaRN; over 64 original positions, short sequences pass them
+        yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+        fields["rope_scaling"] = {**yarn, "original_max_position_embeddings": 64}
     fields.update(kw)
-    if arch == "mixtral" and "moe_intermediate_size" not in kw and "intermediate_size" in kw:
+    if arch in ("mixtral", "gpt_oss") and "moe_intermediate_size" not in kw and "intermediate_size" in kw:
         fields["moe_intermediate_size"] = kw["intermediate_size"]  # Mixtral's experts are intermediate_size wide
     return ModelConfig(**fields)

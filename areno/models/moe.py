@@ -43,17 +43,19 @@ side's all-to-all dispatch, ``areno.train.expert_parallel``)."""
 
 
 class TopKRouter(nn.Module):
-    """The router: ``weight`` [E, D] (HF ``gate.weight``)."""
+    """The router: ``weight`` [E, D] (HF ``gate.weight``), and ``bias`` [E] where ``expert_bias`` (gpt-oss's
+    ``router.bias``)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.bias = nn.Parameter(torch.empty(config.num_experts)) if config.expert_bias else None
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(router logits [T, E], top-k weights [T, K] in x's dtype, top-k expert ids [T, K])."""
-        logits_TE = F.linear(x_TD, self.weight)
+        logits_TE = F.linear(x_TD, self.weight, self.bias)
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
         weights_TK, experts_TK = torch.topk(probs_TE, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -74,24 +76,59 @@ class TopKRouter(nn.Module):
         return weights_TK.to(dtype), experts_TK
 
 
+class ExpertGLU:
+    """The experts' gated activation of (gate, up): ``silu(gate) * up``, or with ``limit`` gpt-oss's
+    clamped form ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, g = ``gate`` clamped to at most
+    ``limit`` (transformers' ``GptOssExperts._apply_gate``)."""
+
+    def __init__(self, limit: float | None = None, alpha: float = 1.0) -> None:
+        self.limit = limit
+        self.alpha = alpha
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> ExpertGLU:
+        return cls(config.swiglu_limit, config.swiglu_alpha)
+
+    def __call__(self, gate_NI: torch.Tensor, up_NI: torch.Tensor) -> torch.Tensor:
+        if self.limit is None:
+            return F.silu(gate_NI) * up_NI
+        g = gate_NI.clamp(max=self.limit)
+        return (up_NI.clamp(-self.limit, self.limit) + 1) * (g * torch.sigmoid(g * self.alpha))
+
+
+SILU_GLU = ExpertGLU()
+
+
 class Experts(nn.Module):
     """E SwiGLU experts stored as two 3-D tensors: ``gate_up_proj`` [E, 2I, D] (gate rows, then
-    up rows) and ``down_proj`` [E, D, I]."""
+    up rows) and ``down_proj`` [E, D, I]; with ``expert_bias`` (gpt-oss) their biases
+    ``gate_up_proj_bias`` [E, 2I] and ``down_proj_bias`` [E, D], the latter weighted with its expert's
+    output by the routing weight, as transformers adds it."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         e, d, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i)) if config.expert_bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(e, d)) if config.expert_bias else None
+        self.glu = ExpertGLU.of(config)
+
+    @property
+    def biases(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gate/up bias [E, 2I], down bias [E, D]), or None for experts without biases."""
+        return None if self.gate_up_proj_bias is None else (self.gate_up_proj_bias, self.down_proj_bias)
 
     def forward(self, x_TD: torch.Tensor, experts_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        args = (x_TD, experts_TK, weights_TK, self.gate_up_proj, self.down_proj)
+        extra = dict(biases=self.biases, glu=self.glu)
         if _grouped_mm_fits(x_TD, self.down_proj):
             # a GPU with grouped GEMMs (training too: they have a backward): one kernel per projection, no host read
-            return grouped_mm_experts(x_TD, experts_TK, weights_TK, self.gate_up_proj, self.down_proj)
+            return grouped_mm_experts(*args, **extra)
         if x_TD.is_cuda and torch.cuda.is_current_stream_capturing():
             # a CUDA graph cannot hold the grouped path's host read of the per-expert counts
-            return naive_experts(x_TD, experts_TK, weights_TK, self.gate_up_proj, self.down_proj)
-        return grouped_experts(x_TD, experts_TK, weights_TK, self.gate_up_proj, self.down_proj)
+            return naive_experts(*args, **extra)
+        return grouped_experts(*args, **extra)
 
 
 def grouped_experts(
@@ -102,11 +139,14 @@ def grouped_experts(
     down_EDI: torch.Tensor,
     *,
     first_expert: int = 0,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    glu: ExpertGLU = SILU_GLU,
 ) -> torch.Tensor:
     """Σ_k weights[t, k] · expert_{experts[t, k]}(x[t]) for every token, experts grouped: the (token,
     expert) pairs are sorted by expert and each expert multiplies its contiguous rows in one GEMM.
     ``gate_up_EnD`` / ``down_EDI`` may hold a slice of the experts starting at ``first_expert``
-    (expert parallelism); pairs routed elsewhere contribute nothing."""
+    (expert parallelism); pairs routed elsewhere contribute nothing. ``biases``: ``Experts.biases`` of
+    the same experts; ``glu``: their activation."""
     T, D = x_TD.shape
     n_local = gate_up_EnD.shape[0]
     flat_N = experts_TK.reshape(-1) - first_expert
@@ -118,12 +158,15 @@ def grouped_experts(
     pieces = [x_ND.new_zeros(counts[0], D)]  # pairs of experts below this slice sort first
     # unbind once: indexing expert e's weight E times would build E full-size zero gradients
     gate_ups, downs = gate_up_EnD.unbind(0), down_EDI.unbind(0)
+    gate_up_bs, down_bs = (None,) * n_local, (None,) * n_local
+    if biases is not None:
+        gate_up_bs, down_bs = biases[0].unbind(0), biases[1].unbind(0)
     start = counts[0]
     for e in range(n_local):
         n = counts[e + 1]
         if n:
-            gate_NI, up_NI = F.linear(x_ND[start : start + n], gate_ups[e]).chunk(2, dim=-1)
-            pieces.append(F.linear(F.silu(gate_NI) * up_NI, downs[e]))
+            gate_NI, up_NI = F.linear(x_ND[start : start + n], gate_ups[e], gate_up_bs[e]).chunk(2, dim=-1)
+            pieces.append(F.linear(glu(gate_NI, up_NI), downs[e], down_bs[e]))
         start += n
     pieces.append(x_ND.new_zeros(counts[-1], D))
     out_ND = torch.cat(pieces)
@@ -137,6 +180,9 @@ def grouped_mm_experts(
     weights_TK: torch.Tensor,
     gate_up_EnD: torch.Tensor,
     down_EDI: torch.Tensor,
+    *,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    glu: ExpertGLU = SILU_GLU,
 ) -> torch.Tensor:
     """``grouped_experts`` through ``torch._grouped_mm``: the pairs sorted by expert, each projection
     one grouped GEMM over per-expert row offsets computed on the device (no host read, so a CUDA
@@ -148,8 +194,13 @@ def grouped_mm_experts(
     counts_E = torch.zeros(gate_up_EnD.shape[0], dtype=torch.long, device=x_TD.device)
     offsets_E = counts_E.scatter_add_(0, flat_N, torch.ones_like(flat_N)).cumsum(0).to(torch.int32)
     gate_up_Nn = torch._grouped_mm(x_TD[token_N], gate_up_EnD.transpose(-2, -1), offs=offsets_E)
+    if biases is not None:  # each pair's expert's bias, gathered in the sorted order
+        expert_N = flat_N[order_N]
+        gate_up_Nn = gate_up_Nn + biases[0][expert_N]
     gate_NI, up_NI = gate_up_Nn.chunk(2, dim=-1)
-    out_ND = torch._grouped_mm((F.silu(gate_NI) * up_NI).contiguous(), down_EDI.transpose(-2, -1), offs=offsets_E)
+    out_ND = torch._grouped_mm(glu(gate_NI, up_NI).contiguous(), down_EDI.transpose(-2, -1), offs=offsets_E)
+    if biases is not None:
+        out_ND = out_ND + biases[1][expert_N]
     out_ND = out_ND * weights_TK.reshape(-1)[order_N, None]
     return x_TD.new_zeros(T, D).index_add_(0, token_N, out_ND)
 
@@ -174,14 +225,18 @@ def naive_experts(
     weights_TK: torch.Tensor,
     gate_up_EnD: torch.Tensor,
     down_EDI: torch.Tensor,
+    *,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    glu: ExpertGLU = SILU_GLU,
 ) -> torch.Tensor:
     """The reference the grouped path is measured against: every expert over every token, masked by
     its routing weight (E dense MLPs' worth of work)."""
     out_TD = torch.zeros_like(x_TD)
     for e, (gate_up_nD, down_DI) in enumerate(zip(gate_up_EnD.unbind(0), down_EDI.unbind(0))):
         w_T = (weights_TK * (experts_TK == e)).sum(-1)
-        gate_TI, up_TI = F.linear(x_TD, gate_up_nD).chunk(2, dim=-1)
-        out_TD = out_TD + w_T[:, None] * F.linear(F.silu(gate_TI) * up_TI, down_DI)
+        b_gate_up, b_down = (None, None) if biases is None else (biases[0][e], biases[1][e])
+        gate_TI, up_TI = F.linear(x_TD, gate_up_nD, b_gate_up).chunk(2, dim=-1)
+        out_TD = out_TD + w_T[:, None] * F.linear(glu(gate_TI, up_TI), down_DI, b_down)
     return out_TD
 
 
@@ -249,6 +304,10 @@ class SparseMoE(nn.Module):
     def reset_parameters(self, std: float) -> None:
         for p in (self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj):
             p.normal_(0.0, std)
+        if self.gate.bias is not None:  # transformers' init of GptOssTopKRouter.bias
+            self.gate.bias.normal_(0.0, std)
+        for b in self.experts.biases or ():
+            b.zero_()
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         logits_TE, weights_TK, experts_TK = self.gate(x_TD)
@@ -262,6 +321,7 @@ class SparseMoE(nn.Module):
         elif self.record is not None:
             self.record.add(self.layer_idx, experts_TK)
         if self.dispatch is not None:
+            # expert parallelism refuses biased or clamped experts (``areno.train.expert_parallel``)
             return self.dispatch(x_TD, experts_TK, weights_TK, self.experts.gate_up_proj, self.experts.down_proj)
         return self.experts(x_TD, experts_TK, weights_TK)
 
@@ -499,8 +559,11 @@ def router_disk_name(config: ModelConfig, layer_idx: int) -> str:
 
 
 def disk_to_memory(config: ModelConfig) -> dict[str, tuple[str, int, slice]]:
-    """On-disk per-expert / router name -> (in-memory name, expert (-1: the whole tensor), rows)."""
+    """On-disk per-expert / router name -> (in-memory name, expert (-1: the whole tensor), rows); empty
+    for gpt-oss, whose checkpoints store experts fused (``gpt_oss`` maps them)."""
     out: dict[str, tuple[str, int, slice]] = {}
+    if config.expert_bias:
+        return out
     for layer in range(config.num_hidden_layers):
         if not config.is_moe_layer(layer):
             continue

@@ -25,6 +25,7 @@ from areno.models.attention import (
     flash_runs,
     padded_layout,
     padded_sdpa,
+    sink_attention,
     varlen_available,
     varlen_causal,
     varlen_features,
@@ -148,15 +149,22 @@ class SharedPrefixAttention:
     mask aligned to the end of the keys on CUDA in 16-bit dtypes; elsewhere SDPA calls over the
     query sequences right-padded into batches by length, with masks: ``attention.padded_layout``).
     ``sliding_window`` / ``window_layers``: as ``PackedCausalAttention``'s (a window-less twin serves the
-    other layers where only some slide)."""
+    other layers where only some slide). ``sinks``: the layers pass sink logits (gpt-oss), which
+    ``attention.sink_attention`` applies per query sequence over its gathered keys."""
 
     def __init__(
-        self, sharing: PrefixSharing, *, sliding_window: int | None = None, window_layers: tuple[int, ...] | None = None
+        self,
+        sharing: PrefixSharing,
+        *,
+        sliding_window: int | None = None,
+        window_layers: tuple[int, ...] | None = None,
+        sinks: bool = False,
     ) -> None:
         self.sharing = sharing
         self.sliding_window = sliding_window
+        self.sinks = sinks
         self.window_layers = window_layers if sliding_window is not None else None
-        self._full = None if self.window_layers is None else SharedPrefixAttention(sharing)
+        self._full = None if self.window_layers is None else SharedPrefixAttention(sharing, sinks=sinks)
         self._state: tuple | None = None
         self._prepared_for: tuple | None = None
 
@@ -188,7 +196,10 @@ class SharedPrefixAttention:
             )
         seq_q = sh.cu_q_B1[1:] - sh.cu_q_B1[:-1]
         seq_k = sh.cu_k_B1[1:] - sh.cu_k_B1[:-1]
-        if flash:
+        if self.sinks:  # per query sequence: its rows, and where its keys come from
+            keys = sh.key_index_K.to(device, non_blocking=True)
+            self._state = ("sinks", sh.cu_q_B1.tolist(), sh.cu_k_B1.tolist(), keys)
+        elif flash:
             i32 = lambda cu: cu.to(device=device, dtype=torch.int32, non_blocking=True)
             # varlen_features inspects a signature: read here, not inside compiled layers
             self._state = (
@@ -219,11 +230,31 @@ class SharedPrefixAttention:
         """The padded batches ``prepare`` built (None before it, or on the varlen path)."""
         return self._state[1] if self._state is not None and self._state[0] == "padded" else None
 
-    def __call__(self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        layer_idx: int,
+        q_THD: torch.Tensor,
+        k_THD: torch.Tensor,
+        v_THD: torch.Tensor,
+        sinks_H: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if self._full is not None and layer_idx not in self.window_layers:
-            return self._full(layer_idx, q_THD, k_THD, v_THD)
+            return self._full(layer_idx, q_THD, k_THD, v_THD, sinks_H)
+        if (sinks_H is not None) != self.sinks:
+            raise ValueError(f"attention built with sinks={self.sinks} called with sinks_H={sinks_H is not None}")
         if self._state is None:
             self.prepare(q_THD.shape[0], q_THD.device, q_THD.shape[-1], q_THD.dtype, query_heads=q_THD.shape[1])
+        if self._state[0] == "sinks":
+            _, cu_q, cu_k, keys_K = self._state
+            outs = []
+            for b in range(len(cu_q) - 1):
+                if cu_q[b + 1] == cu_q[b]:
+                    continue
+                rows_K = keys_K[cu_k[b] : cu_k[b + 1]]
+                k_KHD, v_KHD = k_THD.index_select(0, rows_K), v_THD.index_select(0, rows_K)
+                q_QHD = q_THD[cu_q[b] : cu_q[b + 1]]
+                outs.append(sink_attention(q_QHD, k_KHD, v_KHD, sinks_H, self.sliding_window))
+            return torch.cat(outs) if outs else torch.empty_like(q_THD)
         if self._state[0] == "varlen":
             _, key_index, cu_q, cu_k, max_q, max_k, has_gqa, has_window = self._state
             k_KHD, v_KHD = k_THD.index_select(0, key_index), v_THD.index_select(0, key_index)

@@ -71,8 +71,13 @@ def tp_plan(config: ModelConfig) -> dict[str, str]:
     if not config.tie_word_embeddings:
         plan["lm_head.weight"] = COLWISE
     if config.num_experts:  # expert models run whole (check_tp_size): their sparse blocks are never split
-        for name in ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+        names = ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        if config.expert_bias:
+            names += ["mlp.gate.bias", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias"]
+        for name in names:
             plan[f"{layer}{name}"] = REPLICATE
+    if config.attention_sinks:  # one per query head, split with the heads
+        plan[f"{layer}self_attn.sinks"] = COLWISE
     return plan
 
 

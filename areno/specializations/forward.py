@@ -32,10 +32,11 @@ def hidden_states_TD(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
     device = model.output_weight.device
     cu_host_B1 = batch.cu_seqlens_B1.cpu()  # bounds are read on the host (no GPU stall)
     images = batch_images(batch)
-    # the layers' windows (a wrapper's config is its decoder's)
+    # the layers' windows and sinks (a wrapper's config is its decoder's)
     windows = dict(
         sliding_window=getattr(model.config, "sliding_window", None),
         window_layers=getattr(model.config, "window_layers", None),
+        sinks=getattr(model.config, "attention_sinks", False),
     )
     if images is None and getattr(model, "share_prompts", False):
         ids_host_T = batch.input_ids_T.cpu()

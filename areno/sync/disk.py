@@ -64,8 +64,9 @@ def _fsync_dir(path: Path) -> None:
 
 def checkpoint_names_differ(config: ModelConfig) -> bool:
     """Whether a checkpoint of ``config`` stores tensors under other names or layouts than the model holds
-    them (experts one by one, a vision-language checkpoint's text model): ``CheckpointNamedSource`` renames."""
-    return bool(moe.disk_to_memory(config)) or config.container is not None
+    them (experts one by one, gpt-oss's router and expert layouts, a vision-language checkpoint's text model):
+    ``CheckpointNamedSource`` renames."""
+    return bool(moe.disk_to_memory(config)) or config.container is not None or config.expert_bias
 
 
 class CheckpointNamedSource(WeightSource):

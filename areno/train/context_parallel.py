@@ -56,6 +56,11 @@ def check_context_parallel(model_config, cp_size: int, *, tp_size: int = 1, ep_s
         raise ConfigError(
             f"cp_size={cp_size} is supported with tp_size=1 and ep_size=1 (got tp {tp_size}, ep {ep_size})"
         )
+    if getattr(model_config, "attention_sinks", False):
+        raise ConfigError(
+            f"cp_size={cp_size}: context parallelism of attention with sinks ({model_config.architecture}) is not "
+            "supported; use cp_size=1"
+        )
 
 
 class UlyssesAttention:

@@ -148,7 +148,13 @@ def shard_experts(model: nn.Module, ep_mesh: DeviceMesh, *, grad_scale: float = 
     else:
         ep_group, replica_group, placements = ep_mesh.get_group(), None, [Shard(0)]
     params: list[nn.Parameter] = []
-    for block in moe.sparse_blocks(model):
+    blocks = moe.sparse_blocks(model)
+    if any(b.experts.biases is not None or b.experts.glu.limit is not None for b in blocks):
+        raise ValueError(
+            "expert parallelism of experts with biases and a clamped SwiGLU (gpt-oss) is not supported: "
+            "use an allocation_mode without expert parallelism (ep_size=1)"
+        )
+    for block in blocks:
         block.dispatch = AllToAllDispatch(ep_group, block.num_experts, grad_scale, replica_group)
         experts = block.experts
         for name in ("gate_up_proj", "down_proj"):

@@ -25,7 +25,7 @@ def _ref_logprobs(ref, seqs):
 
 
 @pytest.mark.parametrize(
-    "arch", ["qwen2", "qwen3", "llama", "olmo2", "olmo3", "gemma3", "phi3", "smollm3", "ministral3"]
+    "arch", ["qwen2", "qwen3", "llama", "olmo2", "olmo3", "gemma3", "phi3", "smollm3", "ministral3", "gpt_oss"]
 )
 def test_bf16_logprob_parity_with_transformers(arch, tmp_path):
     torch.manual_seed(0)
@@ -71,6 +71,28 @@ def test_cuda_attention_impls_match_sdpa(impl, window):
         return out.float(), q.grad.float(), k.grad.float(), v.grad.float()
 
     for got, exp in zip(run(impl), run("sdpa_mask")):
+        torch.testing.assert_close(got, exp, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("window", [None, 64])
+def test_cuda_flex_sinks_match_explicit_sink_attention(window):
+    """gpt-oss's sinks on CUDA: flex's log-sum-exp rescaled (``apply_sinks``) against explicit scores, forward
+    and backward, the sinks' own gradient included."""
+    torch.manual_seed(0)
+    cu_B1 = torch.tensor([0, 130, 131, 400, 512], device="cuda")
+    q = torch.randn(512, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(512, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(512, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    sinks = (torch.randn(8, device="cuda") * 2).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(512, 8, 64, device="cuda", dtype=torch.bfloat16)
+
+    def run(name):
+        q.grad = k.grad = v.grad = sinks.grad = None
+        out = PackedCausalAttention(cu_B1, sliding_window=window, impl=name, sinks=True)(0, q, k, v, sinks_H=sinks)
+        out.backward(grad)
+        return out.float(), q.grad.float(), k.grad.float(), v.grad.float(), sinks.grad.float()
+
+    for got, exp in zip(run("flex"), run("sdpa")):
         torch.testing.assert_close(got, exp, atol=3e-2, rtol=3e-2)
 
 
