@@ -92,6 +92,37 @@ PHI3_MINI = {
     "torch_dtype": "bfloat16",
 }
 
+# gpt-oss-20b's shape (its config.json less the MXFP4 quantization: bf16 experts): 24 layers of width 2,880, 32
+# experts of width 2,880 a layer (top 4), sinks, a 128-token window in every other layer; 20.9B parameters
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "experts_per_token": 4,
+    "vocab_size": 201088,
+    "max_position_embeddings": 131072,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 150000,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096},
+    "attention_bias": True,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "eos_token_id": 200002,
+    "pad_token_id": 199999,
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+
 # Gemma 3 1B's shape (norms around each block, GeGLU, a 512-token window in five layers of six with their own
 # RoPE base; a tied 262k vocabulary)
 GEMMA3_1B = {

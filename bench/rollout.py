@@ -62,7 +62,18 @@ from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.types import SamplingParams
-from bench._common import GEMMA3_1B, OLMO2_1B, PHI3_MINI, QWEN25_05B, QWEN25_15B, emit, headline, parser, profile_cuda
+from bench._common import (
+    GEMMA3_1B,
+    GPT_OSS_20B,
+    OLMO2_1B,
+    PHI3_MINI,
+    QWEN25_05B,
+    QWEN25_15B,
+    emit,
+    headline,
+    parser,
+    profile_cuda,
+)
 
 # Qwen2.5-0.5B's config.json (shape only; weights are random).
 # ~20M parameters: 8 layers of width 256 and a 32k vocabulary (untied).
@@ -100,8 +111,13 @@ SHAPES = {
     "olmo2-1b": (OLMO2_1B, 64, 512),
     "phi3-mini": (PHI3_MINI, 64, 512),
     "gemma3-1b": (GEMMA3_1B, 64, 512),
+    "gpt-oss-20b": (GPT_OSS_20B, 64, 512),
     "tiny": (TINY, 4, 8),
 }
+
+
+LARGE_PARAMS = 8e9
+"""Models above this many parameters are initialised on the device in their dtype (gpt-oss-20b)."""
 
 
 def build_models(hf_dict: dict, device: str, dtype: torch.dtype, with_hf: bool):
@@ -109,7 +125,16 @@ def build_models(hf_dict: dict, device: str, dtype: torch.dtype, with_hf: bool):
 
     cfg = ModelConfig.from_hf(hf_dict)
     torch.manual_seed(0)
-    ours = Decoder(cfg).to(dtype=dtype, device=device).eval()
+    if cfg.num_params() > LARGE_PARAMS:  # built where it runs, in its dtype: an fp32 copy on the host would not fit
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                ours = Decoder(cfg).eval()
+        finally:
+            torch.set_default_dtype(default)
+    else:
+        ours = Decoder(cfg).to(dtype=dtype, device=device).eval()
     hf = None
     if with_hf:
         hf_cfg = transformers.AutoConfig.for_model(**{k: v for k, v in hf_dict.items() if k != "architectures"})

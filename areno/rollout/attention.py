@@ -16,6 +16,12 @@ attend over the pool directly through the block tables (``paged_decode.py``). St
 ``for_prefill`` (the prefill CUDA graphs, ``prefill_graph.py``) gather each sequence's keys
 end to end and attend with one flash varlen call, no padding and no mask.
 
+Attention sinks (gpt-oss: ``sinks_H``, a logit per query head that joins every softmax's denominator
+with no value) are served by every form: SDPA has none, so the gathered forms then attend through an
+explicit fp32 softmax with the sink as one more column (``_sink_attention``, ``_cpu_decode_attention``);
+the paged decode kernels start their online softmax from it; the flash varlen call scales its output
+by ``sigmoid(lse - sink)``, the mass the sink leaves the keys (``varlen_causal_sinks``).
+
 Legend: T = packed new tokens, B = sequences, L = key positions (padded), Q = query positions
 (padded), N = blocks per sequence (padded), Hq/Hkv = query/KV heads, Dh = head dim, S = KV slots,
 K = KV heads and C = key capacity of ``DecodeCarry``'s copies (in the CPU decode form, ``N``-prefixed
@@ -24,6 +30,8 @@ names there count B * K rows).
 
 from __future__ import annotations
 
+import functools
+import inspect
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +41,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from areno.models import fused_ops
-from areno.models.attention import HeadNorms, varlen_causal, varlen_features
+from areno.models.attention import GQA_FLAG, HeadNorms, varlen_available, varlen_causal, varlen_features
 from areno.rollout.fused_loop import new_token_slots_torch
 from areno.rollout.kv_cache import KVCache
 from areno.rollout.paged_decode import paged_decode, paged_decode_rotary, triton_available
@@ -215,8 +223,15 @@ class LayerWindowAttention:
     def _of(self, layer_idx: int) -> PagedAttention:
         return self.window if layer_idx in self.window_layers else self.full
 
-    def __call__(self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
-        return self._of(layer_idx)(layer_idx, q_THD, k_THD, v_THD)
+    def __call__(
+        self,
+        layer_idx: int,
+        q_THD: torch.Tensor,
+        k_THD: torch.Tensor,
+        v_THD: torch.Tensor,
+        sinks_H: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self._of(layer_idx)(layer_idx, q_THD, k_THD, v_THD, sinks_H)
 
     def attend_rotary(self, layer_idx: int, *args: Any, **kwargs: Any) -> torch.Tensor | None:
         """``PagedAttention.attend_rotary`` of the layer's kind."""
@@ -438,7 +453,16 @@ class PagedAttention:
             mask_BQL &= key_L[None, None, :] > qpos_BQ[:, :, None] - window
         return _Group(kv_slots_BL=kv_slots_BL, mask_B1QL=mask_BQL[:, None])
 
-    def __call__(self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        layer_idx: int,
+        q_THD: torch.Tensor,
+        k_THD: torch.Tensor,
+        v_THD: torch.Tensor,
+        sinks_H: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Writes the step's K/V, then attends. ``sinks_H``: [Hq] sink logits of this rank's query
+        heads (gpt-oss), or None."""
         k_S, v_S = self.cache.k_S[layer_idx], self.cache.v_S[layer_idx]
         k_TKD, v_TKD = k_THD.to(k_S.dtype), v_THD.to(v_S.dtype)
         if fused_ops.write_kv_fits(k_TKD, v_TKD, k_S, v_S):
@@ -446,7 +470,7 @@ class PagedAttention:
         else:
             k_S.index_copy_(0, self.slot_mapping_T, k_TKD)
             v_S.index_copy_(0, self.slot_mapping_T, v_TKD)
-        return self._attend(layer_idx, q_THD, k_TKD, v_TKD)
+        return self._attend(layer_idx, q_THD, k_TKD, v_TKD, sinks_H)
 
     def attend_rotary(
         self,
@@ -457,13 +481,14 @@ class PagedAttention:
         cos_TF: torch.Tensor,
         sin_TF: torch.Tensor,
         qk_norm: HeadNorms | None = None,
+        sinks_H: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Attention of a fused q/k/v product before RoPE (``AttentionBackend``'s optional form): q and
         k rotated and K/V written into the pools by one kernel (``fused_ops.rope_write_kv``) instead
         of a RoPE and a pool write. None where that kernel does not serve (the caller then rotates and
         calls the backend), or where the CPU decode carry needs this step's K/V as tensors.
         ``qk_norm``: q's and k's per-head norms before RoPE, served in a pure paged decode step only
-        (inside the decode kernel); None elsewhere."""
+        (inside the decode kernel); None elsewhere. ``sinks_H``: as ``__call__``'s."""
         k_S, v_S = self.cache.k_S[layer_idx], self.cache.v_S[layer_idx]
         if (self.decode is not None and self.decode.carry is not None) or not fused_ops.rope_write_fits(
             qkv_TN, cos_TF, k_S, v_S
@@ -489,17 +514,25 @@ class PagedAttention:
                 self.cache.block_size,
                 p.sliding_window,
                 qk_norm=qk_norm,
+                sinks_H=sinks_H,
             )
         q_THD = fused_ops.rope_write_kv(
             qkv_TN, num_q_heads, num_kv_heads, cos_TF, sin_TF, k_S, v_S, self.slot_mapping_T
         )
-        return self._attend(layer_idx, q_THD, None, None)
+        return self._attend(layer_idx, q_THD, None, None, sinks_H)
 
     def _attend(
-        self, layer_idx: int, q_THD: torch.Tensor, k_TKD: torch.Tensor | None, v_TKD: torch.Tensor | None
+        self,
+        layer_idx: int,
+        q_THD: torch.Tensor,
+        k_TKD: torch.Tensor | None,
+        v_TKD: torch.Tensor | None,
+        sinks_H: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of this step's queries once its K/V are in the pools (``k_TKD`` / ``v_TKD``: those
-        K/V as tensors, which only the CPU decode carry reads; None when the carry is off)."""
+        K/V as tensors, which only the CPU decode carry reads; None when the carry is off). Each form's
+        q rows are query heads grouped by KV head (h = kv_head * G + g) or not; its ``sinks_HQ`` (the
+        sink of each of q's (head, query row), [H, Q] or [H, 1]) follows that layout."""
         k_S, v_S = self.cache.k_S[layer_idx], self.cache.v_S[layer_idx]
         nd = self.num_decode
         dc = self.cache.decode_carry
@@ -509,6 +542,8 @@ class PagedAttention:
             p = self.varlen
             k_LKD = k_S.index_select(0, p.kv_slots_L).to(q_THD.dtype)
             v_LKD = v_S.index_select(0, p.kv_slots_L).to(q_THD.dtype)
+            if sinks_H is not None:
+                return varlen_causal_sinks(q_THD, k_LKD, v_LKD, p, sinks_H)
             return varlen_causal(
                 q_THD, k_LKD, v_LKD, p.cu_q_B1, p.cu_k_B1, p.max_q, p.max_k, p.sliding_window,
                 has_gqa=p.has_gqa, has_window=p.has_window,
@@ -516,7 +551,9 @@ class PagedAttention:
         outs = []
         if self.paged is not None:  # the decode rows (all rows of a pure-decode step) over the pool
             p = self.paged
-            out_BHD = paged_decode(q_THD[:nd], k_S, v_S, p.bt_BN, p.ctx_B, self.cache.block_size, p.sliding_window)
+            out_BHD = paged_decode(
+                q_THD[:nd], k_S, v_S, p.bt_BN, p.ctx_B, self.cache.block_size, p.sliding_window, sinks_H
+            )
             if self.prefill is None:
                 return out_BHD
             outs.append(out_BHD)
@@ -529,17 +566,19 @@ class PagedAttention:
                 # (it rejects GQA and flash rejects masks: enable_gqa with a mask runs the math
                 # kernel, which expands K/V G-fold). Same attention up to summation order.
                 q_BKGD = q_THD[:nd].reshape(nd, Hkv, Hq // Hkv, -1)
+                sinks_KG = None if sinks_H is None else sinks_H.view(Hkv, Hq // Hkv)
                 if g.carry is not None:
-                    out_BKGD = _cpu_decode_attention(q_BKGD, k_S, v_S, g, layer_idx, k_TKD[:nd], v_TKD[:nd])
+                    out_BKGD = _cpu_decode_attention(q_BKGD, k_S, v_S, g, layer_idx, k_TKD[:nd], v_TKD[:nd], sinks_KG)
                 else:
-                    out_BKGD = self._sdpa(q_BKGD, k_S, v_S, g, decode=True)
+                    out_BKGD = self._sdpa(q_BKGD, k_S, v_S, g, decode=True, sinks_HQ=sinks_KG)
                 outs.append(out_BKGD.reshape(nd, Hq, -1))
             else:
                 q_BH1D = q_THD[:nd].unsqueeze(2)  # [Bd, Hq, 1, Dh]
+                sinks_H1 = None if sinks_H is None else sinks_H[:, None]
                 if g.carry is not None and Hq == Hkv:
-                    out_BH1D = _cpu_decode_attention(q_BH1D, k_S, v_S, g, layer_idx, k_TKD[:nd], v_TKD[:nd])
+                    out_BH1D = _cpu_decode_attention(q_BH1D, k_S, v_S, g, layer_idx, k_TKD[:nd], v_TKD[:nd], sinks_H1)
                 else:
-                    out_BH1D = self._sdpa(q_BH1D, k_S, v_S, g, decode=True)
+                    out_BH1D = self._sdpa(q_BH1D, k_S, v_S, g, decode=True, sinks_HQ=sinks_H1)
                 outs.append(out_BH1D.squeeze(2))
         if self.prefill is not None:
             g = self.prefill
@@ -553,10 +592,14 @@ class PagedAttention:
                 G = H // Hkv
                 if g.grouped_mask_B1ML is None:
                     g.grouped_mask_B1ML = g.mask_B1QL.repeat(1, 1, G, 1)
-                out_BKMD = self._sdpa(q_BHQD.reshape(B, Hkv, G * Q, D), k_S, v_S, g, g.grouped_mask_B1ML)
+                # row g * Q + q of KV head k is query head k * G + g
+                sinks_KM = None if sinks_H is None else sinks_H.view(Hkv, G).repeat_interleave(Q, dim=1)
+                out_BKMD = self._sdpa(
+                    q_BHQD.reshape(B, Hkv, G * Q, D), k_S, v_S, g, g.grouped_mask_B1ML, sinks_HQ=sinks_KM
+                )
                 out_BHQD = out_BKMD.reshape(B, H, Q, D)
             else:
-                out_BHQD = self._sdpa(q_BHQD, k_S, v_S, g)
+                out_BHQD = self._sdpa(q_BHQD, k_S, v_S, g, sinks_HQ=None if sinks_H is None else sinks_H[:, None])
             outs.append(out_BHQD.transpose(1, 2).reshape(B * Q, H, D).index_select(0, g.q_real_R))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
@@ -568,15 +611,19 @@ class PagedAttention:
         g: _Group,
         mask_B1QL: torch.Tensor | None = None,
         decode: bool = False,
+        sinks_HQ: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``sinks_HQ``: the sink logit of each of q's (head, query row), [H, Q] or [H, 1]; or None."""
         if decode and CPU_DECODE_MATMUL and q_BHQD.device.type == "cpu" and q_BHQD.shape[1] == k_S.shape[1]:
-            return _cpu_decode_attention(q_BHQD, k_S, v_S, g)
+            return _cpu_decode_attention(q_BHQD, k_S, v_S, g, sinks_KQ=sinks_HQ)
         # index_select over the flattened slots: same values as k_S[kv_slots_BL], about 2x faster
         # on CPU than advanced indexing (and a single gather kernel on CUDA).
         B, L = g.kv_slots_BL.shape
         flat_slots = g.kv_slots_BL.reshape(-1)
         k_BHLD = k_S.index_select(0, flat_slots).view(B, L, *k_S.shape[1:]).transpose(1, 2)
         v_BHLD = v_S.index_select(0, flat_slots).view(B, L, *v_S.shape[1:]).transpose(1, 2)
+        if sinks_HQ is not None:
+            return _sink_attention(q_BHQD, k_BHLD, v_BHLD, g.mask_B1QL if mask_B1QL is None else mask_B1QL, sinks_HQ)
         with _sdpa_backends(q_BHQD.device):
             return F.scaled_dot_product_attention(
                 q_BHQD,
@@ -601,6 +648,7 @@ def _cpu_decode_attention(
     layer_idx: int | None = None,
     k_new_BKD: torch.Tensor | None = None,
     v_new_BKD: torch.Tensor | None = None,
+    sinks_KQ: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """CPU decode rows (q and k/v with the same head count: the grouped form, or no GQA): K/V
     gathered head-major, ``[B * K, L, Dh]`` contiguous (one row of ``Dh`` per slot and head), then
@@ -610,7 +658,8 @@ def _cpu_decode_attention(
     summation order. The row indices and the bias are built at the step's first layer. With
     ``g.carry`` (``DecodeCarry``: ``layer_idx`` and the step's new K/V ``[B, K, Dh]`` as written to
     the pool), the previous step's gathered K/V of this layer, extended by the new token, when
-    ``g.extend``; else a fresh gather, kept for the next step."""
+    ``g.extend``; else a fresh gather, kept for the next step. ``sinks_KQ``: the sink logit of each
+    of q's (head, query row), [K, Q] or [K, 1], folded into the softmax (in fp32); or None."""
     B, K, Q, D = q_BKQD.shape
     L = g.kv_slots_BL.shape[1]
     if g.cpu_bias_NQL is None:
@@ -637,7 +686,95 @@ def _cpu_decode_attention(
                 x_NCD[:, :L] = x_NLD
                 store[layer_idx] = x_NCD
     scores_NQL = torch.baddbmm(g.cpu_bias_NQL, q_BKQD.reshape(B * K, Q, D), k_NLD.transpose(1, 2), alpha=D**-0.5)
-    return torch.bmm(torch.softmax(scores_NQL, dim=-1), v_NLD).view(B, K, Q, D)
+    if sinks_KQ is None:
+        probs_NQL = torch.softmax(scores_NQL, dim=-1)
+    else:
+        sink_NQ1 = sinks_KQ.float().expand(B, K, Q).reshape(B * K, Q, 1)
+        probs_NQL = _sink_softmax(scores_NQL, sink_NQ1).to(v_NLD.dtype)
+    return torch.bmm(probs_NQL, v_NLD).view(B, K, Q, D)
+
+
+SINK_SCORES_BYTES = 1 << 28
+"""``_sink_attention``: most bytes of fp32 scores per block of query rows (a long prefill chunk's
+[B, H, Q, L] scores would not fit at once)."""
+
+
+def _sink_softmax(scores_XL: torch.Tensor, sink_X1: torch.Tensor) -> torch.Tensor:
+    """fp32 softmax over the keys with the sink logit as one more, value-less column (dropped):
+    transformers' eager gpt-oss attention. Masked keys (-inf) weigh 0; the sink keeps every row's
+    denominator positive."""
+    s_XL = scores_XL.float()
+    m_X1 = torch.maximum(s_XL.amax(dim=-1, keepdim=True), sink_X1)
+    p_XL = (s_XL - m_X1).exp_()
+    return p_XL / (p_XL.sum(dim=-1, keepdim=True) + (sink_X1 - m_X1).exp())
+
+
+def _sink_attention(
+    q_BHQD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor, mask_B1QL: torch.Tensor, sinks_HQ: torch.Tensor
+) -> torch.Tensor:
+    """The gathered SDPA call with attention sinks, which SDPA cannot take: fp32 scores, the mask as
+    -inf, ``_sink_softmax``, in blocks of query rows of at most ``SINK_SCORES_BYTES`` of scores. K/V
+    with fewer heads (``GROUPED_DECODE`` off) are repeated to q's. Returns q's dtype."""
+    B, H, Q, D = q_BHQD.shape
+    L = k_BKLD.shape[2]
+    if k_BKLD.shape[1] != H:
+        G = H // k_BKLD.shape[1]
+        k_BKLD, v_BKLD = k_BKLD.repeat_interleave(G, dim=1), v_BKLD.repeat_interleave(G, dim=1)
+    kt_BHDL, v_BHLD = k_BKLD.float().transpose(2, 3), v_BKLD.float()
+    sinks_HQ1 = sinks_HQ.float()[..., None]
+    step = max(1, SINK_SCORES_BYTES // (4 * B * H * L))
+
+    def rows(x: torch.Tensor, a: int) -> torch.Tensor:  # query rows a.. of x (a broadcast dim as it is)
+        return x if x.shape[-2] == 1 else x[..., a : a + step, :]
+
+    outs = []
+    for a in range(0, Q, step):
+        s_BHqL = torch.matmul(q_BHQD[:, :, a : a + step].float(), kt_BHDL).mul_(D**-0.5)
+        s_BHqL.masked_fill_(~rows(mask_B1QL, a), float("-inf"))
+        outs.append(torch.matmul(_sink_softmax(s_BHqL, rows(sinks_HQ1, a)), v_BHLD))
+    out_BHQD = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out_BHQD.to(q_BHQD.dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def varlen_lse_available() -> bool:
+    """Whether this torch's ``varlen_attn`` returns its log-sum-exp (``return_aux``), which the flash
+    varlen form needs for attention sinks."""
+    if not varlen_available():
+        return False
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "return_aux" in inspect.signature(varlen_attn).parameters
+
+
+def varlen_causal_sinks(
+    q_THD: torch.Tensor, k_LKD: torch.Tensor, v_LKD: torch.Tensor, p: _VarlenPrefill, sinks_H: torch.Tensor
+) -> torch.Tensor:
+    """``varlen_causal`` with attention sinks, which flash cannot take: the sink's share of the
+    softmax leaves the keys ``sigmoid(lse - s_h)`` of their mass (lse over the keys, as ``varlen_attn``
+    returns it on request), so the output is flash's scaled by that, in fp32. Inference only (no
+    gradient through the log-sum-exp). A sequence with no key stays 0."""
+    if not varlen_lse_available():
+        raise ValueError(
+            "attention sinks in a prefill CUDA graph need torch's varlen_attn to return its log-sum-exp "
+            "(return_aux): set rollout.prefill_cuda_graphs=false or upgrade torch"
+        )
+    from torch.nn.attention.varlen import AuxRequest, varlen_attn
+
+    groups = q_THD.shape[1] // k_LKD.shape[1]
+    if groups > 1 and not p.has_gqa:  # k/v repeated to the query heads (as varlen_causal)
+        k_LKD, v_LKD = k_LKD.repeat_interleave(groups, dim=1), v_LKD.repeat_interleave(groups, dim=1)
+    kw: dict[str, Any] = {"enable_gqa": True} if groups > 1 and p.has_gqa == GQA_FLAG else {}
+    if p.has_window:
+        kw["window_size"] = (-1 if p.sliding_window is None else p.sliding_window - 1, 0)
+    else:
+        assert p.sliding_window is None, "a window needs varlen_attn's window_size (PrefillGraphRunner.supported)"
+        kw["is_causal"] = True
+    out_THD, lse_HT = varlen_attn(
+        q_THD, k_LKD, v_LKD, p.cu_q_B1, p.cu_k_B1, p.max_q, p.max_k, return_aux=AuxRequest(lse=True), **kw
+    )
+    keep_TH = torch.sigmoid(lse_HT.t().float() - sinks_H.float())
+    return (out_THD.float() * keep_TH[..., None]).to(out_THD.dtype)
 
 
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

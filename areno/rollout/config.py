@@ -74,10 +74,11 @@ class RolloutEngineSettings:
     step's decode rows count as one-token chunks) from CUDA graphs too (``rollout/prefill_graph.py``;
     captured per padded token count, key count and batch size, at most 16, their attention one flash
     varlen call per layer over keys gathered from the pool): a small model's prefill step is
-    otherwise bound by the host launching its ~20 kernels per layer. Needs torch's varlen attention,
-    a 16-bit KV cache, one rank (no tensor parallelism) and, for a mixture of experts, grouped GEMMs
-    (bf16 on a Hopper or newer GPU); the engine logs why when it cannot. Steps of more than 16,384
-    keys, and shapes past the cap, run eagerly."""
+    otherwise bound by the host launching its ~20 kernels per layer. Needs torch's varlen attention
+    (returning its log-sum-exp for a model with attention sinks, gpt-oss), a 16-bit KV cache, one
+    rank (no tensor parallelism) and, for a mixture of experts, grouped GEMMs (bf16 on a Hopper or
+    newer GPU); the engine logs why when it cannot. Steps of more than 16,384 keys, and shapes past
+    the cap, run eagerly."""
     cuda_graph_max_batch: int | None = None
     """Largest decode batch that uses a CUDA graph (batch sizes are padded to 1, 2, 4, then multiples
     of 8, 32 and 64; ``cuda_graph.padded_batch_size``); larger batches decode eagerly. null:

@@ -24,7 +24,10 @@ token per sequence directly over the pool, walking the block table:
 
 Semantics are those of ``PagedAttention.for_decode``'s gather path: the query at position
 ``p = ctx - 1`` sees keys ``j <= p`` (and ``j > p - sliding_window``) among the table's
-``N * block_size`` positions; scale 1/sqrt(Dh).
+``N * block_size`` positions; scale 1/sqrt(Dh). ``sinks_H`` (gpt-oss's attention sinks): a logit per
+query head that joins the softmax's denominator with no value; the online softmax starts from it
+(running max ``s_h``, running sum 1, accumulator 0), in the last split only, so split-K's combine
+counts it once.
 
 Legend: B = sequences, N = block-table width, Hq/Hkv = query/KV heads, G = Hq / Hkv, Dh = head dim,
 S = KV slots (``(num_blocks + 1) * block_size``), C = keys per chunk.
@@ -68,15 +71,17 @@ def paged_decode(
     ctx_B: torch.Tensor,
     block_size: int,
     sliding_window: int | None = None,
+    sinks_H: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged pool: Triton on CUDA when available, else the torch loop.
 
     ``q_BHD``: [B, Hq, Dh] one query per sequence; ``k_S``/``v_S``: [S, Hkv, Dh] the layer's pool;
     ``bt_BN``: long [B, N] block tables (padding: any valid block id); ``ctx_B``: long [B] context
-    length including the new token. Returns [B, Hq, Dh] in ``q_BHD``'s dtype."""
+    length including the new token; ``sinks_H``: [Hq] sink logits, or None. Returns [B, Hq, Dh] in
+    ``q_BHD``'s dtype."""
     if q_BHD.is_cuda and triton is not None:
-        return paged_decode_triton(q_BHD, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window)
-    return paged_decode_torch(q_BHD, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window)
+        return paged_decode_triton(q_BHD, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window, sinks_H=sinks_H)
+    return paged_decode_torch(q_BHD, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window, sinks_H)
 
 
 def paged_decode_torch(
@@ -87,8 +92,10 @@ def paged_decode_torch(
     ctx_B: torch.Tensor,
     block_size: int,
     sliding_window: int | None = None,
+    sinks_H: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Online-softmax decode attention over chunks of block-table columns (fp32 accumulation)."""
+    """Online-softmax decode attention over chunks of block-table columns (fp32 accumulation).
+    ``sinks_H``: [Hq] sink logits, the softmax's starting state (max ``s_h``, sum 1)."""
     B, Hq, Dh = q_BHD.shape
     Hkv = k_S.shape[1]
     G = Hq // Hkv
@@ -97,8 +104,12 @@ def paged_decode_torch(
     cols = max(1, TORCH_CHUNK_KEYS // bs)
     q_BKGD = q_BHD.reshape(B, Hkv, G, Dh).float() * (1.0 / math.sqrt(Dh))
     pos_B1 = (ctx_B - 1)[:, None]
-    m_BKG = q_BKGD.new_full((B, Hkv, G), -math.inf)
-    l_BKG = q_BKGD.new_zeros((B, Hkv, G))
+    if sinks_H is None:
+        m_BKG = q_BKGD.new_full((B, Hkv, G), -math.inf)
+        l_BKG = q_BKGD.new_zeros((B, Hkv, G))
+    else:
+        m_BKG = sinks_H.float().reshape(1, Hkv, G).expand(B, Hkv, G)
+        l_BKG = q_BKGD.new_ones((B, Hkv, G))
     acc_BKGD = q_BKGD.new_zeros((B, Hkv, G, Dh))
     offs_C = torch.arange(cols * bs, device=bt_BN.device)
     for n0 in range(0, N, cols):
@@ -171,6 +182,7 @@ if triton is not None:
         qn_ptr,
         kn_ptr,
         norm_eps,
+        sink_ptr,
         BLOCK_SIZE: tl.constexpr,
         G: tl.constexpr,
         BLOCK_G: tl.constexpr,
@@ -184,6 +196,7 @@ if triton is not None:
         QK_NORM: tl.constexpr,
         NORM_FP32: tl.constexpr,
         NORM_OFFSET: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
     ):
         # Program (b, kvh, split): the query heads of KV head kvh of sequence b over split-th share
         # of its key tiles. NUM_SPLITS == 1 writes the output; otherwise the unnormalised partial
@@ -191,7 +204,8 @@ if triton is not None:
         # before RoPE; q and the new key are rotated here, the new K/V written to the pool by the
         # last split, which also attends the new key from registers (the others read keys < pos).
         # QK_NORM (with ROTARY): each head of q and the new key RMS-normed first (weights qn / kn,
-        # Qwen3's and Gemma 3's per-head norms), with the norm kernel's roundings.
+        # Qwen3's and Gemma 3's per-head norms), with the norm kernel's roundings. HAS_SINKS: the
+        # last split's softmax starts from the heads' sink logits (max s_h, sum 1), counted once.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -252,6 +266,10 @@ if triton is not None:
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        if HAS_SINKS:
+            if split == NUM_SPLITS - 1:
+                m_i = tl.load(sink_ptr + kvh * G + offs_g, mask=g_ok, other=0.0).to(tl.float32)
+                l_i = tl.full([BLOCK_G], 1.0, tl.float32)
         bt_row = bt_ptr + b * stride_btb
         for start in range(s_lo, s_hi, TILE):
             t = start + offs_t
@@ -366,11 +384,13 @@ def paged_decode_triton(
     sliding_window: int | None = None,
     tile: int = 64,
     num_splits: int | None = None,
+    sinks_H: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton kernel (CUDA tensors). ``tile``: keys per loop iteration (a power of two >= 16).
     ``num_splits``: programs per (sequence, KV head), each over a share of the key tiles, merged by a
     second kernel (split-K, for batches too small to fill the GPU). None: enough for about
-    ``SPLIT_TARGET_PROGRAMS_PER_SM`` programs per SM, at most ``MAX_SPLITS`` and one tile each."""
+    ``SPLIT_TARGET_PROGRAMS_PER_SM`` programs per SM, at most ``MAX_SPLITS`` and one tile each.
+    ``sinks_H``: [Hq] sink logits, or None."""
     if triton is None:
         raise RuntimeError("decode_attention='paged' on CUDA needs triton: install triton or use 'gather'")
     if k_S.stride(2) != 1 or v_S.stride(2) != 1:
@@ -380,7 +400,9 @@ def paged_decode_triton(
     if q_BHD.dtype != k_S.dtype:
         q_BHD = q_BHD.to(k_S.dtype)
     B, Hq, Dh = q_BHD.shape
-    out_BHD = _run_decode(q_BHD, Hq, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window, tile, num_splits, None)
+    out_BHD = _run_decode(
+        q_BHD, Hq, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window, tile, num_splits, None, sinks_H=sinks_H
+    )
     return out_BHD.to(out_dtype)
 
 
@@ -401,6 +423,7 @@ def paged_decode_rotary(
     num_splits: int | None = None,
     num_stages: int = NUM_STAGES,
     qk_norm: HeadNorms | None = None,
+    sinks_H: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A decode step's attention from its fused q/k/v product before RoPE (``qkv_BN``: [B, (Hq + 2
     Hkv) Dh], one new token per sequence at position ``ctx - 1``): what ``fused_ops.rope_write_kv``
@@ -409,7 +432,7 @@ def paged_decode_rotary(
     ``fused_ops.rope_write_fits`` holds (one dtype, contiguous pools and columns). ``num_splits`` as
     ``paged_decode_triton``'s; ``num_stages``: the key loop's pipelining stages (``bench.paged_decode``
     times both). ``qk_norm``: each head of q and the new key RMS-normed before RoPE (Qwen3, Gemma 3).
-    Returns [B, Hq, Dh]."""
+    ``sinks_H``: [Hq] sink logits, or None. Returns [B, Hq, Dh]."""
     if triton is None:
         raise RuntimeError("paged_decode_rotary needs triton")
     if k_S.shape[1] != num_kv_heads or qkv_BN.shape[1] != (num_q_heads + 2 * num_kv_heads) * k_S.shape[2]:
@@ -425,8 +448,9 @@ def paged_decode_rotary(
     cos_BF, sin_BF = cos_BF.contiguous(), sin_BF.contiguous()
     rotary = (cos_BF, sin_BF, slot_B, qk_norm)
     return _run_decode(
-        qkv_BN, num_q_heads, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window, tile, num_splits, rotary, num_stages
-    )
+        qkv_BN, num_q_heads, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window, tile, num_splits, rotary, num_stages,
+        sinks_H,
+    )  # fmt: skip
 
 
 def _run_decode(
@@ -442,6 +466,7 @@ def _run_decode(
     num_splits: int | None,
     rotary: tuple | None,
     num_stages: int = NUM_STAGES,
+    sinks_H: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decode kernel and, for more than one split, the combine kernel: [B, Hq, Dh] in ``q``'s dtype."""
     B, Hq, Dh = q.shape[0], num_q_heads, k_S.shape[2]
@@ -458,8 +483,9 @@ def _run_decode(
         part_acc = part_m = part_l = out_BHD  # unused
     parts = (part_acc, part_m, part_l)
     _launch_decode(
-        q, Hq, k_S, v_S, bt_BN, ctx_B, out_BHD, parts, num_splits, block_size, sliding_window, tile, rotary, num_stages
-    )
+        q, Hq, k_S, v_S, bt_BN, ctx_B, out_BHD, parts, num_splits, block_size, sliding_window, tile, rotary, num_stages,
+        sinks_H,
+    )  # fmt: skip
     if num_splits > 1:
         _combine_kernel[(B, Hq)](
             part_acc,
@@ -493,10 +519,12 @@ def _launch_decode(
     tile: int,
     rotary: tuple | None = None,
     num_stages: int = NUM_STAGES,
+    sinks_H: torch.Tensor | None = None,
 ) -> None:
     """``_paged_decode_kernel`` over (B, Hkv, num_splits) programs; ``parts``: the split-K partials
     (accumulators, running maxima, sums), unused for one split. ``q``: [B, Hq, Dh] queries, or with
-    ``rotary`` = (cos, sin, new-token slots) the [B, (Hq + 2 Hkv) Dh] q/k/v product before RoPE."""
+    ``rotary`` = (cos, sin, new-token slots) the [B, (Hq + 2 Hkv) Dh] q/k/v product before RoPE.
+    ``sinks_H``: [Hq] sink logits (any float dtype), or None."""
     B, Hq, Dh = q.shape[0], num_q_heads, k_S.shape[2]
     Hkv = k_S.shape[1]
     G = Hq // Hkv
@@ -509,6 +537,7 @@ def _launch_decode(
         stride_qb, stride_qh = q.stride(0), Dh
         cos_BF, sin_BF, slot_B, norms = rotary
     qn_w, kn_w = (norms.q_weight, norms.k_weight) if norms is not None else (ctx_B, ctx_B)  # unused without
+    sinks = sinks_H.contiguous() if sinks_H is not None else ctx_B  # unused without
     _paged_decode_kernel[(B, Hkv, num_splits)](
         q,
         k_S,
@@ -542,6 +571,7 @@ def _launch_decode(
         qn_w,
         kn_w,
         norms.eps if norms is not None else 0.0,
+        sinks,
         BLOCK_SIZE=block_size,
         G=G,
         BLOCK_G=max(16, triton.next_power_of_2(G)),
@@ -555,6 +585,7 @@ def _launch_decode(
         QK_NORM=norms is not None,
         NORM_FP32=norms is not None and norms.scale_in_float32,
         NORM_OFFSET=float(norms.offset) if norms is not None else 0.0,
+        HAS_SINKS=sinks_H is not None,
         num_warps=NUM_WARPS,
         num_stages=num_stages,
     )

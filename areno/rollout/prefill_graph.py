@@ -25,7 +25,7 @@ import torch
 
 from areno.models.attention import varlen_available, varlen_features
 from areno.models.moe import sparse_blocks
-from areno.rollout.attention import PagedAttention
+from areno.rollout.attention import PagedAttention, varlen_lse_available
 from areno.rollout.cuda_graph import DecodeGraphRunner
 from areno.rollout.graph_shapes import graph_num_blocks, padded_prefill_batch, padded_prefill_tokens
 from areno.rollout.scheduler import ScheduledBatch
@@ -69,6 +69,8 @@ class PrefillGraphRunner:
             return f"flash varlen attention needs a head dim that is a multiple of 8 up to 256, not {cache.head_dim}"
         if engine.sliding_window is not None and not varlen_features()[1]:
             return "this torch's varlen attention has no sliding window"
+        if engine.model_config.attention_sinks and not varlen_lse_available():
+            return "this torch's varlen attention returns no log-sum-exp, which the model's attention sinks need"
         dev = engine.device
         grouped = cache.dtype == torch.bfloat16 and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
         if sparse_blocks(engine.model) and not grouped:

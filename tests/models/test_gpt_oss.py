@@ -20,7 +20,9 @@ from areno.models.gpt_oss import dequantize_mxfp4, to_disk_state
 from areno.models.hf_io import build_model
 from areno.models.logprobs import packed_logprobs
 from tests.helpers.families import (
+    assert_engine_decodes_as_recompute,
     assert_export_reads_back,
+    grpo_learns_and_exports,
     packed_batch,
     reference_logprobs,
     saved_by_transformers,
@@ -90,6 +92,38 @@ def test_gradients_match_transformers(tmp_path):
             key = f"model.layers.{layer}.{name}"
             r = ref_grads[key]
             torch.testing.assert_close(grads[key], r, rtol=1e-4, atol=1e-5 * max(1.0, r.abs().max().item()), msg=key)
+
+
+def test_the_rollout_engine_decodes_what_the_model_computes(tmp_path):
+    _saved(tmp_path)  # windows of 4 keys: prompts of 6-14 tokens and 10 new ones pass them
+    assert_engine_decodes_as_recompute(*load_model(tmp_path / "hf"), decode_steps=3)
+
+
+def test_the_rollout_engine_reloads_a_checkpoint_from_disk(tmp_path):
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+
+    _saved(tmp_path)
+    model, config = load_model(tmp_path / "hf")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    engine_model, _ = load_model(tmp_path / "hf")
+    engine = RolloutEngine(engine_model, config, config=RolloutEngineConfig(block_size=4, num_blocks=32))
+    engine.update_weights_from_disk(str(tmp_path / "hf"), version=1)  # transformers' own file, as it was
+    got = engine.weight_tensors()
+    assert not torch.equal(got["model.layers.0.self_attn.sinks"], model.model.layers[0].self_attn.sinks)
+    from areno.models import save_model
+
+    save_model(model, config, tmp_path / "b")
+    engine.update_weights_from_disk(str(tmp_path / "b"), version=2)
+    got = engine.weight_tensors()
+    for name, t in model.state_dict().items():
+        assert torch.equal(got[name], t), name
+
+
+def test_grpo_on_a_tiny_gpt_oss_learns_the_reward(tmp_path):
+    exported = grpo_learns_and_exports(tmp_path, "gpt_oss")
+    assert exported["swiglu_limit"] == 7.0 and exported["layer_types"][0] == "sliding_attention"
 
 
 def test_mxfp4_experts_dequantize_as_transformers_does_and_load(tmp_path):

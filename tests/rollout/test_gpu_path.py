@@ -72,13 +72,14 @@ def test_padding_buckets():
 
 @pytest.mark.gpu
 # olmo3 / gemma3: a 6-key window in layer 0 only, layer 1 in full; qwen3 / gemma3: per-head q/k norms;
-# ministral3: queries scaled by position (every 8 positions), past the fused RoPE kernels
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo3", "gemma3", "ministral3"])
+# ministral3: queries scaled by position (every 8 positions), past the fused RoPE kernels; gpt_oss: sinks in
+# every attention path, a 6-key window in layer 0, biased experts in CUDA graphs
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo3", "gemma3", "ministral3", "gpt_oss"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_match_eager_on_gpu(dtype, arch):
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 
-    kw = {"arch": arch, "sliding_window": 6} if arch in ("olmo3", "gemma3") else {"arch": arch}
+    kw = {"arch": arch, "sliding_window": 6} if arch in ("olmo3", "gemma3", "gpt_oss") else {"arch": arch}
     model, cfg = make_model(0, **kw)
     model = model.to(device="cuda", dtype=dtype)
     prompts = random_prompts(11, seed=40)
