@@ -21,7 +21,7 @@ from areno.rollout import attention as rollout_attention
 from areno.rollout.attention import DecodeCarry, LayerWindowAttention, PagedAttention, SeqChunk
 from areno.rollout.kv_cache import KVCache
 from areno.rollout.paged_decode import paged_decode_torch, triton_available
-from tests.rollout.test_paged_decode import _fake_triton
+from tests.helpers.fake_triton import fake_triton
 
 BS, D = 4, 8
 """Tokens per block and head dim of the CPU cases."""
@@ -323,7 +323,7 @@ def emulated(monkeypatch):
 
     if real.triton_available():
         pytest.skip("triton is importable: the gpu-marked tests run the real kernel")
-    triton_mod, tl = _fake_triton()
+    triton_mod, tl = fake_triton()
     monkeypatch.setattr(fused_ops, "_round_to", lambda x, dtype: x.to(dtype).float(), raising=False)
     monkeypatch.setitem(sys.modules, "triton", triton_mod)
     monkeypatch.setitem(sys.modules, "triton.language", tl)
