@@ -57,7 +57,7 @@ import time
 
 import torch
 
-from areno.models import packed_projections
+from areno.models import gpt_oss, packed_projections
 from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
@@ -94,6 +94,24 @@ CPU_20M = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+# A gpt-oss of ~22M parameters (4 layers of width 256, 8 experts of width 512 a layer, top 2; sinks, a 128-token
+# window in layers 0 and 2, YaRN over 128 original positions): the sink and biased-expert paths on CPU.
+CPU_GPT_OSS = {
+    **{k: v for k, v in GPT_OSS_20B.items() if k not in ("layer_types", "torch_dtype", "experts_per_token")},
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "rope_scaling": {**GPT_OSS_20B["rope_scaling"], "original_max_position_embeddings": 128},
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
 # A smoke-test size (the bench's own tests): seconds, not a figure.
 TINY = {
     **CPU_20M,
@@ -112,6 +130,7 @@ SHAPES = {
     "phi3-mini": (PHI3_MINI, 64, 512),
     "gemma3-1b": (GEMMA3_1B, 64, 512),
     "gpt-oss-20b": (GPT_OSS_20B, 64, 512),
+    "cpu-gpt-oss": (CPU_GPT_OSS, 32, 128),
     "tiny": (TINY, 4, 8),
 }
 
@@ -141,7 +160,10 @@ def build_models(hf_dict: dict, device: str, dtype: torch.dtype, with_hf: bool):
         hf_cfg.pad_token_id = 0
         hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).to(device).eval()
         # the checkpoint's names: Phi-3's q/k/v and gate/up packed as transformers holds them
-        missing, unexpected = hf.load_state_dict(packed_projections.to_disk_state(cfg, ours.state_dict()), strict=False)
+        state = packed_projections.to_disk_state(cfg, ours.state_dict())
+        if cfg.expert_bias:  # gpt-oss: the router's name, gate/up interleaved, as transformers holds them
+            state = gpt_oss.to_disk_state(state)
+        missing, unexpected = hf.load_state_dict(state, strict=False)
         assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
         hf.tie_weights()
     return ours, cfg, hf
