@@ -82,3 +82,28 @@ def fake_triton():
     triton_mod.jit = Launcher
     triton_mod.next_power_of_2 = lambda n: 1 << (n - 1).bit_length()
     return triton_mod, tl
+
+
+def emulated_paged_decode(monkeypatch):
+    """``areno/rollout/paged_decode.py`` loaded afresh under the stand-in (its Triton kernels then run on CPU);
+    skips the test where triton is importable (the gpu-marked tests run the real kernel)."""
+    import importlib.util
+    import sys
+
+    import pytest
+
+    import areno.rollout.paged_decode as real
+    from areno.models import fused_ops
+
+    if real.triton_available():
+        pytest.skip("triton is importable: the gpu-marked tests run the real kernel")
+    triton_mod, tl = fake_triton()
+    # the kernel rounds RoPE's products with fused_ops' helper, defined only where triton is
+    monkeypatch.setattr(fused_ops, "_round_to", lambda x, dtype: x.to(dtype).float(), raising=False)
+    monkeypatch.setitem(sys.modules, "triton", triton_mod)
+    monkeypatch.setitem(sys.modules, "triton.language", tl)
+    spec = importlib.util.spec_from_file_location("_paged_decode_emulated", real.__file__)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.triton_available()
+    return mod

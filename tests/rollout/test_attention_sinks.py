@@ -10,9 +10,7 @@ dim, S = KV slots, L = keys.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 
 import pytest
 import torch
@@ -21,7 +19,7 @@ from areno.rollout import attention as rollout_attention
 from areno.rollout.attention import DecodeCarry, LayerWindowAttention, PagedAttention, SeqChunk
 from areno.rollout.kv_cache import KVCache
 from areno.rollout.paged_decode import paged_decode_torch, triton_available
-from tests.helpers.fake_triton import fake_triton
+from tests.helpers.fake_triton import emulated_paged_decode
 
 BS, D = 4, 8
 """Tokens per block and head dim of the CPU cases."""
@@ -317,20 +315,8 @@ def test_varlen_without_lse_refuses_sinks(monkeypatch):
 
 @pytest.fixture
 def emulated(monkeypatch):
-    """``paged_decode.py`` loaded under ``test_paged_decode``'s stand-in for triton (CPU)."""
-    import areno.rollout.paged_decode as real
-    from areno.models import fused_ops
-
-    if real.triton_available():
-        pytest.skip("triton is importable: the gpu-marked tests run the real kernel")
-    triton_mod, tl = fake_triton()
-    monkeypatch.setattr(fused_ops, "_round_to", lambda x, dtype: x.to(dtype).float(), raising=False)
-    monkeypatch.setitem(sys.modules, "triton", triton_mod)
-    monkeypatch.setitem(sys.modules, "triton.language", tl)
-    spec = importlib.util.spec_from_file_location("_paged_decode_emulated_sinks", real.__file__)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """``paged_decode.py`` loaded under the stand-in for triton (CPU)."""
+    return emulated_paged_decode(monkeypatch)
 
 
 def _decode_case(cache, hq, ctx, seed=0):

@@ -11,7 +11,7 @@ from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.rollout.kv_cache import KVCache
 from areno.rollout.paged_decode import auto_num_splits, paged_decode, paged_decode_torch, triton_available
 from areno.types import SamplingParams
-from tests.helpers.fake_triton import fake_triton
+from tests.helpers.fake_triton import emulated_paged_decode
 from tests.helpers.rollout import eager_runner, make_model, random_prompts
 
 
@@ -266,25 +266,7 @@ def test_engine_paged_equals_gather_on_gpu():
 
 @pytest.fixture
 def emulated_kernel_module(monkeypatch):
-    import importlib.util
-    import sys
-
-    import areno.rollout.paged_decode as real
-
-    if real.triton_available():
-        pytest.skip("triton is importable: the gpu-marked tests run the real kernel")
-    triton_mod, tl = fake_triton()
-    from areno.models import fused_ops
-
-    # the kernel rounds RoPE's products with fused_ops' helper, defined only where triton is
-    monkeypatch.setattr(fused_ops, "_round_to", lambda x, dtype: x.to(dtype).float(), raising=False)
-    monkeypatch.setitem(sys.modules, "triton", triton_mod)
-    monkeypatch.setitem(sys.modules, "triton.language", tl)
-    spec = importlib.util.spec_from_file_location("_paged_decode_emulated", real.__file__)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.triton_available()
-    return mod
+    return emulated_paged_decode(monkeypatch)
 
 
 @pytest.mark.parametrize("window", [None, 5, 21])
