@@ -651,26 +651,33 @@ def varlen_causal(
     *,
     has_gqa: str,
     has_window: bool,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal flash attention of packed sequences (``varlen_attn``): sequence b's queries
     ``cu_q_B1[b]:cu_q_B1[b+1]`` are the last tokens of its keys ``cu_k_B1[b]:cu_k_B1[b+1]`` (the
     causal mask is aligned to the end of the keys, so a chunk after a cached prefix sees that prefix).
     ``cu_*``: int32 boundaries; ``max_q`` / ``max_k``: bounds of the lengths; ``has_gqa`` /
     ``has_window``: this torch's ``varlen_features()``, read outside compiled code. A sliding window
-    needs ``has_window``."""
+    needs ``has_window``. ``return_lse``: also the log-sum-exp [Hq, T] (a torch whose ``varlen_attn``
+    takes ``return_aux``), no gradient through it."""
     from torch.nn.attention.varlen import varlen_attn
 
     groups = q_THD.shape[1] // k_THD.shape[1]
     if groups > 1 and not has_gqa:  # k/v repeated to the query heads
         k_THD = k_THD.repeat_interleave(groups, dim=1)
         v_THD = v_THD.repeat_interleave(groups, dim=1)
-    gqa = {"enable_gqa": True} if groups > 1 and has_gqa == GQA_FLAG else {}
+    kw: dict = {"enable_gqa": True} if groups > 1 and has_gqa == GQA_FLAG else {}
+    if return_lse:
+        from torch.nn.attention.varlen import AuxRequest
+
+        kw["return_aux"] = AuxRequest(lse=True)
     if has_window:  # newer torch: causal (sliding) window as (left, right)
-        left = -1 if sliding_window is None else sliding_window - 1
-        return varlen_attn(q_THD, k_THD, v_THD, cu_q_B1, cu_k_B1, max_q, max_k, window_size=(left, 0), **gqa)
-    if sliding_window is not None:
+        kw["window_size"] = (-1 if sliding_window is None else sliding_window - 1, 0)
+    elif sliding_window is not None:
         raise ValueError("this torch's varlen_attn has no sliding window")
-    return varlen_attn(q_THD, k_THD, v_THD, cu_q_B1, cu_k_B1, max_q, max_k, is_causal=True, **gqa)
+    else:
+        kw["is_causal"] = True
+    return varlen_attn(q_THD, k_THD, v_THD, cu_q_B1, cu_k_B1, max_q, max_k, **kw)
 
 
 GQA_FLAG, GQA_NATIVE = "flag", "native"

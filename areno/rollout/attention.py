@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from areno.models import fused_ops
-from areno.models.attention import GQA_FLAG, HeadNorms, varlen_available, varlen_causal, varlen_features
+from areno.models.attention import HeadNorms, varlen_available, varlen_causal, varlen_features
 from areno.rollout.fused_loop import new_token_slots_torch
 from areno.rollout.kv_cache import KVCache
 from areno.rollout.paged_decode import paged_decode, paged_decode_rotary, triton_available
@@ -759,20 +759,10 @@ def varlen_causal_sinks(
             "attention sinks in a prefill CUDA graph need torch's varlen_attn to return its log-sum-exp "
             "(return_aux): set rollout.prefill_cuda_graphs=false or upgrade torch"
         )
-    from torch.nn.attention.varlen import AuxRequest, varlen_attn
-
-    groups = q_THD.shape[1] // k_LKD.shape[1]
-    if groups > 1 and not p.has_gqa:  # k/v repeated to the query heads (as varlen_causal)
-        k_LKD, v_LKD = k_LKD.repeat_interleave(groups, dim=1), v_LKD.repeat_interleave(groups, dim=1)
-    kw: dict[str, Any] = {"enable_gqa": True} if groups > 1 and p.has_gqa == GQA_FLAG else {}
-    if p.has_window:
-        kw["window_size"] = (-1 if p.sliding_window is None else p.sliding_window - 1, 0)
-    else:
-        assert p.sliding_window is None, "a window needs varlen_attn's window_size (PrefillGraphRunner.supported)"
-        kw["is_causal"] = True
-    out_THD, lse_HT = varlen_attn(
-        q_THD, k_LKD, v_LKD, p.cu_q_B1, p.cu_k_B1, p.max_q, p.max_k, return_aux=AuxRequest(lse=True), **kw
-    )
+    out_THD, lse_HT = varlen_causal(
+        q_THD, k_LKD, v_LKD, p.cu_q_B1, p.cu_k_B1, p.max_q, p.max_k, p.sliding_window,
+        has_gqa=p.has_gqa, has_window=p.has_window, return_lse=True,
+    )  # fmt: skip
     keep_TH = torch.sigmoid(lse_HT.t().float() - sinks_H.float())
     return (out_THD.float() * keep_TH[..., None]).to(out_THD.dtype)
 
