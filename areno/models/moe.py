@@ -1,8 +1,10 @@
-"""The sparse mixture-of-experts block of the Qwen3-MoE and Mixtral layouts, plain PyTorch.
+"""The sparse mixture-of-experts block of the Qwen3-MoE, Mixtral and gpt-oss layouts, plain PyTorch.
 
 Module and parameter names equal transformers 5's in-memory ones (``mlp.gate.weight`` [E, D],
-``mlp.experts.gate_up_proj`` [E, 2I, D], ``mlp.experts.down_proj`` [E, D, I]), for both layouts;
-``hf_io`` maps them to and from the per-expert names checkpoints store on disk (``expert_names``).
+``mlp.experts.gate_up_proj`` [E, 2I, D], ``mlp.experts.down_proj`` [E, D, I]), for every layout;
+``hf_io`` maps them to and from the per-expert names checkpoints store on disk (``expert_names``), and
+``gpt_oss`` to gpt-oss's fused, interleaved ones (its router ``mlp.router``; biases on the router and the
+experts, a clamped SwiGLU: ``ExpertGLU``).
 
 Routing as transformers does it: softmax over the router logits in fp32, top-k, optionally
 renormalised (``norm_topk_prob``; Mixtral always), cast to the activations' dtype. The experts run
