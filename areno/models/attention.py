@@ -81,10 +81,18 @@ def sink_attention(
         if window is not None:
             keep_qK &= kpos_K[None, :] > qpos_Q[s : s + step, None] - window
         scores_HqK = torch.matmul(q_HqD, k_HKD.transpose(1, 2)).mul_(D**-0.5).masked_fill(~keep_qK, float("-inf"))
-        sink_Hq1 = sink_H11.expand(H, scores_HqK.shape[1], 1)
-        probs_HqK = torch.softmax(torch.cat((scores_HqK, sink_Hq1), dim=-1), dim=-1)[..., :-1]
-        outs.append(torch.matmul(probs_HqK, v_HKD).transpose(0, 1))
+        outs.append(torch.matmul(sink_softmax(scores_HqK, sink_H11), v_HKD).transpose(0, 1))
     return (torch.cat(outs) if len(outs) > 1 else outs[0]).to(q_QHD.dtype)
+
+
+def sink_softmax(scores_XL: torch.Tensor, sink_X1: torch.Tensor) -> torch.Tensor:
+    """float32 softmax over the keys with the sink logit as one more, value-less column (dropped):
+    transformers' eager gpt-oss attention. Masked keys (-inf) weigh 0; the sink keeps every row's
+    denominator positive. ``sink_X1`` broadcasts against ``scores_XL`` with 1 key."""
+    s_XL = scores_XL.float()
+    m_X1 = torch.maximum(s_XL.amax(dim=-1, keepdim=True), sink_X1.float())
+    p_XL = (s_XL - m_X1).exp()
+    return p_XL / (p_XL.sum(dim=-1, keepdim=True) + (sink_X1 - m_X1).exp())
 
 
 SINK_SCORES_MAX = 1 << 24

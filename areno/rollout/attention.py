@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from areno.models import fused_ops
-from areno.models.attention import HeadNorms, varlen_available, varlen_causal, varlen_features
+from areno.models.attention import HeadNorms, sink_softmax, varlen_available, varlen_causal, varlen_features
 from areno.rollout.fused_loop import new_token_slots_torch
 from areno.rollout.kv_cache import KVCache
 from areno.rollout.paged_decode import paged_decode, paged_decode_rotary, triton_available
@@ -690,7 +690,7 @@ def _cpu_decode_attention(
         probs_NQL = torch.softmax(scores_NQL, dim=-1)
     else:
         sink_NQ1 = sinks_KQ.float().expand(B, K, Q).reshape(B * K, Q, 1)
-        probs_NQL = _sink_softmax(scores_NQL, sink_NQ1).to(v_NLD.dtype)
+        probs_NQL = sink_softmax(scores_NQL, sink_NQ1).to(v_NLD.dtype)
     return torch.bmm(probs_NQL, v_NLD).view(B, K, Q, D)
 
 
@@ -699,21 +699,11 @@ SINK_SCORES_BYTES = 1 << 28
 [B, H, Q, L] scores would not fit at once)."""
 
 
-def _sink_softmax(scores_XL: torch.Tensor, sink_X1: torch.Tensor) -> torch.Tensor:
-    """fp32 softmax over the keys with the sink logit as one more, value-less column (dropped):
-    transformers' eager gpt-oss attention. Masked keys (-inf) weigh 0; the sink keeps every row's
-    denominator positive."""
-    s_XL = scores_XL.float()
-    m_X1 = torch.maximum(s_XL.amax(dim=-1, keepdim=True), sink_X1)
-    p_XL = (s_XL - m_X1).exp_()
-    return p_XL / (p_XL.sum(dim=-1, keepdim=True) + (sink_X1 - m_X1).exp())
-
-
 def _sink_attention(
     q_BHQD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor, mask_B1QL: torch.Tensor, sinks_HQ: torch.Tensor
 ) -> torch.Tensor:
     """The gathered SDPA call with attention sinks, which SDPA cannot take: fp32 scores, the mask as
-    -inf, ``_sink_softmax``, in blocks of query rows of at most ``SINK_SCORES_BYTES`` of scores. K/V
+    -inf, ``sink_softmax``, in blocks of query rows of at most ``SINK_SCORES_BYTES`` of scores. K/V
     with fewer heads (``GROUPED_DECODE`` off) are repeated to q's. Returns q's dtype."""
     B, H, Q, D = q_BHQD.shape
     L = k_BKLD.shape[2]
@@ -731,7 +721,7 @@ def _sink_attention(
     for a in range(0, Q, step):
         s_BHqL = torch.matmul(q_BHQD[:, :, a : a + step].float(), kt_BHDL).mul_(D**-0.5)
         s_BHqL.masked_fill_(~rows(mask_B1QL, a), float("-inf"))
-        outs.append(torch.matmul(_sink_softmax(s_BHqL, rows(sinks_HQ1, a)), v_BHLD))
+        outs.append(torch.matmul(sink_softmax(s_BHqL, rows(sinks_HQ1, a)), v_BHLD))
     out_BHQD = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out_BHQD.to(q_BHQD.dtype)
 
