@@ -743,6 +743,12 @@ def _probe_native_gqa() -> bool:
         return False
 
 
+def varlen_lse_available() -> bool:
+    """Whether this torch's ``varlen_attn`` returns its log-sum-exp (``return_aux``), which the flash varlen
+    form needs for attention sinks."""
+    return varlen_available() and "return_aux" in _varlen_params()
+
+
 @functools.lru_cache(maxsize=1)
 def _varlen_params() -> frozenset[str]:
     """Parameter names of this torch's varlen_attn (its signature changed between releases)."""

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from areno.models.config import ModelConfig
+from areno.models.config import GPT_OSS, ModelConfig
 
 ExpertDispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(x [T, D], expert ids [T, K], weights [T, K], this rank's gate_up, this rank's down) -> [T, D]:
@@ -564,7 +564,7 @@ def disk_to_memory(config: ModelConfig) -> dict[str, tuple[str, int, slice]]:
     """On-disk per-expert / router name -> (in-memory name, expert (-1: the whole tensor), rows); empty
     for gpt-oss, whose checkpoints store experts fused (``gpt_oss`` maps them)."""
     out: dict[str, tuple[str, int, slice]] = {}
-    if config.expert_bias:
+    if config.architecture == GPT_OSS:
         return out
     for layer in range(config.num_hidden_layers):
         if not config.is_moe_layer(layer):

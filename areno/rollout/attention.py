@@ -30,8 +30,6 @@ names there count B * K rows).
 
 from __future__ import annotations
 
-import functools
-import inspect
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +39,13 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from areno.models import fused_ops
-from areno.models.attention import HeadNorms, sink_softmax, varlen_available, varlen_causal, varlen_features
+from areno.models.attention import (
+    HeadNorms,
+    sink_softmax,
+    varlen_causal,
+    varlen_features,
+    varlen_lse_available,
+)
 from areno.rollout.fused_loop import new_token_slots_torch
 from areno.rollout.kv_cache import KVCache
 from areno.rollout.paged_decode import paged_decode, paged_decode_rotary, triton_available
@@ -724,17 +728,6 @@ def _sink_attention(
         outs.append(torch.matmul(sink_softmax(s_BHqL, rows(sinks_HQ1, a)), v_BHLD))
     out_BHQD = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out_BHQD.to(q_BHQD.dtype)
-
-
-@functools.lru_cache(maxsize=1)
-def varlen_lse_available() -> bool:
-    """Whether this torch's ``varlen_attn`` returns its log-sum-exp (``return_aux``), which the flash
-    varlen form needs for attention sinks."""
-    if not varlen_available():
-        return False
-    from torch.nn.attention.varlen import varlen_attn
-
-    return "return_aux" in inspect.signature(varlen_attn).parameters
 
 
 def varlen_causal_sinks(

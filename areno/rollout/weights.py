@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from areno.models import gpt_oss, moe, packed_projections, vl_text
+from areno.models.config import GPT_OSS
 from areno.models.hf_io import open_safetensors, safetensors_files
 from areno.rollout.control import EngineControl
 from areno.rollout.errors import WeightUpdateError
@@ -93,7 +94,9 @@ class EngineWeights:
         if vl_text.fused_experts(container):  # stored as held, or transposed
             held = {n: tuple(p.shape) for n, p in self.params.items()}
             items = [(n, vl_text.as_held(container, n, t, held[n]) if n in held else t) for n, t in items]
-        elif getattr(self.model_config, "expert_bias", False):  # gpt-oss: its router's name, its expert layouts
+        elif (
+            getattr(self.model_config, "architecture", None) == GPT_OSS
+        ):  # gpt-oss: its router's name, its expert layouts
             items = gpt_oss.to_memory_items(items)
         elif getattr(self.model_config, "num_experts", 0):  # a checkpoint stores experts one by one
             items = moe.to_memory_items(self.model_config, items)

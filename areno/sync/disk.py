@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from areno.models import moe
-from areno.models.config import ModelConfig
+from areno.models.config import GPT_OSS, ModelConfig
 from areno.models.hf_io import checkpoint_names
 from areno.sync.base import PolicySyncTransport, SyncStats, WeightSource, full_tensor
 
@@ -66,7 +66,7 @@ def checkpoint_names_differ(config: ModelConfig) -> bool:
     """Whether a checkpoint of ``config`` stores tensors under other names or layouts than the model holds
     them (experts one by one, gpt-oss's router and expert layouts, a vision-language checkpoint's text model):
     ``CheckpointNamedSource`` renames."""
-    return bool(moe.disk_to_memory(config)) or config.container is not None or config.expert_bias
+    return bool(moe.disk_to_memory(config)) or config.container is not None or config.architecture == GPT_OSS
 
 
 class CheckpointNamedSource(WeightSource):
