@@ -430,11 +430,13 @@ def check_prompt_settings_reach_the_workflow(config: ArenoConfig, factory: Any) 
 
 def check_context_length(config: ArenoConfig) -> None:
     """``rollout.max_model_len`` within the model's positions (the engine refuses it later, after loading)."""
-    limit = run_model_config(config).max_position_embeddings
+    model_config = run_model_config(config)
+    limit = model_config.max_seq_len
     if config.rollout.max_model_len and config.rollout.max_model_len > limit:
         raise ConfigError(
-            f"rollout.max_model_len={config.rollout.max_model_len} exceeds the model's max_position_embeddings="
-            f"{limit} ({config.model.path}/config.json), past which it has no positions: set it to at most {limit}"
+            f"rollout.max_model_len={config.rollout.max_model_len} exceeds the model's {model_config.positions_source} "
+            f"({config.model.path}/config.json), past which it computes no positions as transformers does: set it "
+            f"to at most {limit}"
         )
 
 
@@ -443,7 +445,7 @@ def check_held_out_lengths(config: ArenoConfig, tokenizer: Any, splits: tuple[li
     them all; a training row that does not fit is dropped with a warning instead)."""
     if splits is None or not splits[1]:
         return
-    context = config.rollout.max_model_len or run_model_config(config).max_position_embeddings
+    context = config.rollout.max_model_len or run_model_config(config).max_seq_len
     data = config.data
     templating = data.templating()
     for i, row in enumerate(splits[1]):
@@ -461,7 +463,7 @@ def check_held_out_lengths(config: ArenoConfig, tokenizer: Any, splits: tuple[li
         if n >= context:
             raise DataError(
                 f"{held_out_row_source(data, i)}: the prompt has {n} tokens but the context is {context} "
-                "(rollout.max_model_len, else the model's max_position_embeddings): shorten or remove the row"
+                "(rollout.max_model_len, else the model's positions): shorten or remove the row"
             )
 
 

@@ -407,7 +407,7 @@ class PartitionedCluster:
                 model_config,
                 train_dtype=dtypes.train,
                 rollout_dtype=dtypes.rollout,
-                kv_tokens=kv_tokens_for(cfg, model_config.max_position_embeddings),
+                kv_tokens=kv_tokens_for(cfg, model_config.max_seq_len),
             )
             validate_memory(layout, est, capacity)
 

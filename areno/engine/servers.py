@@ -203,7 +203,7 @@ class ServerRolloutSide(RolloutSide):
                 port=ports[i],
                 api_key=api_key,
                 devices=devices[i * tp : (i + 1) * tp] if cuda else None,
-                max_model_len=self.config.rollout.max_model_len,
+                max_model_len=self.config.rollout.max_model_len or _position_bound(model_dir),
                 seed=self.config.train.seed,
                 extra_args=list(self.config.rollout.server_args),
                 weight_transfer=self.config.rollout.weight_transfer,
@@ -321,6 +321,14 @@ class ServerRolloutSide(RolloutSide):
             self.health.stop()
         for p in self.processes:
             p.stop()
+
+
+def _position_bound(model_dir: Path) -> int | None:
+    """The context a server must keep within where the model computes fewer positions than its
+    ``max_position_embeddings`` as transformers does (LongRoPE: its original context; a server would turn a
+    longer sequence by the long factors, which training does not); None: the server's own default."""
+    config = read_config(model_dir)
+    return config.max_seq_len if config.max_seq_len < config.max_position_embeddings else None
 
 
 def check_nccl_transfer(config: ArenoConfig) -> None:

@@ -206,7 +206,7 @@ class RolloutWorker:
         tokenizer = load_pretrained_tokenizer(model_dir)
         blocks = cfg.rollout.kv_blocks
         if not blocks and layout.overlapping:  # a shared GPU: only the KV memory the check allowed
-            positions = read_config(model_dir).max_position_embeddings
+            positions = read_config(model_dir).max_seq_len
             blocks = -(-kv_tokens_for(cfg, positions) // cfg.rollout.block_size)
         engine_config = rollout_engine_config(cfg, device=device, dtype=dtype_name, num_blocks=blocks)
         tp_group = self.groups.rollout_tp_group

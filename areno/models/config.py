@@ -103,7 +103,9 @@ MINISTRAL3 = "Ministral3ForCausalLM"
 ROPE_PER_TYPE_ARCHITECTURES = ("Olmo3ForCausalLM", GEMMA3)
 """The layouts whose transformers class turns the window layers by their own RoPE (``rope_parameters``
 per layer type)."""
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
+PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM",)
+"""The layouts whose transformers class turns only the first ``partial_rotary_factor`` of each head (Phi-4-mini)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,10 +131,15 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """RoPE base frequency."""
     rope_scaling: dict[str, Any] | None = None
-    """None, or a dict with ``rope_type`` in ("default", "llama3", "linear", "yarn") and its parameters
-    (llama3: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings;
+    """None, or a dict with ``rope_type`` in ("default", "llama3", "linear", "yarn", "longrope") and its
+    parameters (llama3: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings;
     linear: factor; yarn: original_max_position_embeddings and optionally factor, attention_factor,
-    beta_fast, beta_slow, mscale, mscale_all_dim, truncate)."""
+    beta_fast, beta_slow, mscale, mscale_all_dim, truncate; longrope: short_factor, long_factor,
+    original_max_position_embeddings and optionally factor, attention_factor). LongRoPE's long factors
+    apply only past ``original_max_position_embeddings``, which ``max_seq_len`` keeps every sequence within."""
+    partial_rotary_factor: float = 1.0
+    """The share of each head's dimensions that RoPE turns (``rotary_dim``, the first ones); the rest pass
+    unturned (Phi-4-mini: 0.75)."""
     max_position_embeddings: int = 2048
     """Longest position the model was built for; RoPE tables are sized to it."""
     tie_word_embeddings: bool = False
@@ -267,6 +274,7 @@ class ModelConfig:
         self._check_gpt_oss()
         if self.rope_scaling is not None:
             object.__setattr__(self, "rope_scaling", _normalized_scaling(self.rope_scaling))
+        self._check_rotary()
         self._check_windows()
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
@@ -402,6 +410,45 @@ class ModelConfig:
             return None
         return self.replace(window_rope=None, **self.window_rope)
 
+    def _check_rotary(self) -> None:
+        """``partial_rotary_factor`` where transformers' class turns part of each head, to an even width of at
+        least 2; LongRoPE's factors one per turned frequency."""
+        factor = self.partial_rotary_factor
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
+            raise ValueError(f"ModelConfig.partial_rotary_factor must be in (0, 1], got {factor!r}")
+        object.__setattr__(self, "partial_rotary_factor", float(factor))
+        if factor != 1 and self.architecture not in PARTIAL_ROTARY_ARCHITECTURES:
+            raise ValueError(
+                f"partial_rotary_factor={factor} is not supported for {self.architecture}: of areno's layouts only "
+                f"{', '.join(PARTIAL_ROTARY_ARCHITECTURES)}'s transformers class turns part of each head"
+            )
+        dim = self.rotary_dim
+        if dim < 2 or dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor={factor} turns {dim} of head_dim={self.head_dim} dimensions: RoPE needs an "
+                "even number of at least 2"
+            )
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if self.architecture == "Phi3ForCausalLM" and rope_type not in ("default", "longrope"):
+            raise ValueError(
+                f"rope_scaling type {rope_type!r} is impossible for Phi3ForCausalLM: transformers' class takes "
+                "the default RoPE or longrope"
+            )
+        if (self.mrope_section is not None or self.window_rope is not None) and factor != 1:
+            raise ValueError(f"partial_rotary_factor={factor} with M-RoPE or a second RoPE is not supported")
+        for c in (self, self.window_rope_config()):
+            scaling = (c.rope_scaling if c is not None else None) or {}
+            if scaling.get("rope_type") != "longrope":
+                continue
+            for key in ("short_factor", "long_factor"):
+                values = scaling[key]
+                if not isinstance(values, (list, tuple)) or len(values) != dim // 2:
+                    raise ValueError(
+                        f"rope_scaling longrope: {key} must list {dim // 2} numbers (one per turned frequency of "
+                        f"{dim} = head_dim x partial_rotary_factor dimensions), got "
+                        f"{len(values) if isinstance(values, (list, tuple)) else values!r}"
+                    )
+
     def _check_moe(self) -> None:
         """Expert fields only where the architecture has experts, and in range."""
         arch = self.architecture
@@ -468,8 +515,28 @@ class ModelConfig:
 
     @property
     def max_seq_len(self) -> int:
-        """Longest sequence this decoder computes as transformers does (positions < this)."""
+        """Longest sequence this decoder computes as transformers does (positions < this): with LongRoPE,
+        its ``original_max_position_embeddings``, past which transformers turns every position of a sequence
+        by the long factors (its frequencies then depend on the sequence's length) and areno does not."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") == "longrope":
+            return min(self.max_position_embeddings, int(scaling["original_max_position_embeddings"]))
         return self.max_position_embeddings
+
+    @property
+    def positions_source(self) -> str:
+        """Where ``max_seq_len`` comes from, for errors: ``max_position_embeddings=N`` or LongRoPE's bound."""
+        if self.max_seq_len == self.max_position_embeddings:
+            return f"max_position_embeddings={self.max_position_embeddings}"
+        return (
+            f"LongRoPE's original_max_position_embeddings={self.max_seq_len} (areno turns by its short factors only; "
+            "transformers turns a longer sequence by its long factors)"
+        )
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's first dimensions RoPE turns (transformers' ``int(head_dim * factor)``)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def num_params(self) -> int:
         """Parameter count (the tied output projection counted once)."""
@@ -548,6 +615,8 @@ class ModelConfig:
         query_position_scale = None
         if arch == MINISTRAL3:
             d, query_position_scale = _read_query_position_scale(d)
+        if arch == "Phi3ForCausalLM":
+            d = _phi3_rope_type(d)
         rope_theta, rope_scaling, window_rope = _read_layer_ropes(arch, d, sliding_window, window_layers)
         heads = d["num_attention_heads"]
         attn_bias = bool(d.get("attention_bias", False))
@@ -569,6 +638,7 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
+            partial_rotary_factor=_read_partial_rotary(d),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
@@ -632,6 +702,12 @@ class ModelConfig:
             d["attention_bias"] = self.attention_bias
         if self.architecture in ("LlamaForCausalLM", "SmolLM3ForCausalLM"):
             d["mlp_bias"] = self.mlp_bias
+        if self.partial_rotary_factor != 1:
+            d["partial_rotary_factor"] = self.partial_rotary_factor
+        if self.architecture == "Phi3ForCausalLM":  # its class reads this over the RoPE dict's (default 4096)
+            d["original_max_position_embeddings"] = (self.rope_scaling or {}).get(
+                "original_max_position_embeddings", HF_CLASS_DEFAULTS["phi3"]["original_max_position_embeddings"]
+            )
         if self.architecture == "SmolLM3ForCausalLM":
             d["no_rope_layers"] = [int(i not in self.nope_layers) for i in range(self.num_hidden_layers)]
             d["use_sliding_window"] = False
@@ -763,6 +839,7 @@ def _normalized_scaling(rope_scaling: dict[str, Any]) -> dict[str, Any] | None:
         "linear": ("factor",),
         "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
         "yarn": ("original_max_position_embeddings",),
+        "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
     }[rope_type]
     missing = [k for k in need if k not in scaling]
     if missing:
@@ -853,7 +930,7 @@ HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
                           "moe_intermediate_size": 1408, "num_experts_per_tok": 4, "num_experts": 60,
                           "router_aux_loss_coef": 0.001, "output_router_logits": False, "rope_theta": 5e5},
     "phi3": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "sliding_window": None,
-             "rope_theta": 1e4},
+             "original_max_position_embeddings": 4096, "rope_theta": 1e4},
     "gpt_oss": {**_COMMON, "rms_norm_eps": 1e-5, "vocab_size": 201088, "hidden_size": 2880,
                 "intermediate_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
                 "head_dim": 64, "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128,
@@ -1115,9 +1192,6 @@ def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             )
     if params and not scaling:
         scaling = dict(params)
-    partial = (scaling or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor={partial} is not supported: areno rotates every head dimension")
     theta = next(iter(thetas.values()), 10000.0)
     if scaling:
         scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
@@ -1126,10 +1200,42 @@ def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             scaling = None
         if rope_type == "yarn":
             _check_yarn_factor(scaling, d.get("max_position_embeddings", 2048))
-        if rope_type in ("llama3", "yarn") and scaling.get("original_max_position_embeddings") is None:
-            # transformers' fallback
-            scaling["original_max_position_embeddings"] = d.get("max_position_embeddings")
+        if rope_type in ("llama3", "yarn", "longrope"):
+            if d.get("original_max_position_embeddings") is not None:
+                # transformers 5 takes the top-level key over the RoPE dict's (Phi-3 stores it there)
+                scaling["original_max_position_embeddings"] = d["original_max_position_embeddings"]
+            elif scaling.get("original_max_position_embeddings") is None:  # transformers' fallback
+                scaling["original_max_position_embeddings"] = d.get("max_position_embeddings")
     return float(theta), scaling or None
+
+
+def _read_partial_rotary(d: dict[str, Any]) -> float:
+    """``partial_rotary_factor`` from the top level or a RoPE dict (transformers 5 keeps it in
+    ``rope_parameters``); 1 where none gives it. Values that differ are refused: transformers versions read
+    different ones."""
+    values = {}
+    if d.get("partial_rotary_factor") is not None:
+        values["partial_rotary_factor"] = d["partial_rotary_factor"]
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = d.get(key)
+        if isinstance(rope, dict) and rope.get("partial_rotary_factor") is not None:
+            values[f"{key}.partial_rotary_factor"] = rope["partial_rotary_factor"]
+    if len({float(v) for v in values.values()}) > 1:
+        raise ValueError(
+            f"config.json gives partial_rotary_factor {values} (transformers versions read different ones): make "
+            "them agree"
+        )
+    return float(next(iter(values.values()), 1.0))
+
+
+def _phi3_rope_type(d: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's RoPE dict as its transformers class reads it: the old names ``su`` and ``yarn`` are LongRoPE."""
+    out = dict(d)
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = out.get(key)
+        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
+            out[key] = {**{k: v for k, v in rope.items() if k != "type"}, "rope_type": "longrope"}
+    return out
 
 
 def _check_yarn_factor(scaling: dict[str, Any], max_positions: int) -> None:

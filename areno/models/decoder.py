@@ -70,13 +70,18 @@ __all__ = [
 
 # ----------------------------------------------------------------------------------------- RoPE
 def rope_inv_freq(config: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
-    """float32 [Dh/2] inverse frequencies, with linear / Llama 3 / YaRN scaling, computed as transformers does."""
-    dim = config.head_dim
+    """float32 [R/2] inverse frequencies of the ``rotary_dim`` R turned dimensions, with linear / Llama 3 /
+    YaRN / LongRoPE scaling, computed as transformers does (LongRoPE: its short factors, ``max_seq_len``)."""
+    dim = config.rotary_dim
     base = config.rope_theta
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
+    inv_freq = 1.0 / (base**exponents)
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
+    if scaling["rope_type"] == "longrope":
+        short = torch.tensor(scaling["short_factor"], dtype=torch.float32, device=device)
+        return 1.0 / (short * base**exponents)
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
     if scaling["rope_type"] == "yarn":
@@ -98,7 +103,7 @@ def _yarn_inv_freq(config: ModelConfig, device: torch.device | str) -> torch.Ten
     """YaRN's frequencies (transformers' ``_compute_yarn_parameters``): interpolated by ``factor`` below the
     ``beta_slow`` rotations over the original context, extrapolated (unchanged) above ``beta_fast``, ramped
     linearly between."""
-    scaling, dim, base = config.rope_scaling or {}, config.head_dim, config.rope_theta
+    scaling, dim, base = config.rope_scaling or {}, config.rotary_dim, config.rope_theta
     factor, original = yarn_factor(config), scaling["original_max_position_embeddings"]
     beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
 
@@ -128,10 +133,14 @@ def yarn_factor(config: ModelConfig) -> float:
 def rope_attention_factor(config: ModelConfig) -> float:
     """What cos and sin are multiplied by: 1, or YaRN's attention factor (given, or its ``mscale`` rule)."""
     scaling = config.rope_scaling
-    if scaling is None or scaling["rope_type"] != "yarn":
+    if scaling is None or scaling["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if scaling["rope_type"] == "longrope":  # the LongRoPE paper's, over the context's growth
+        original = scaling["original_max_position_embeddings"]
+        factor = scaling.get("factor") or config.max_position_embeddings / original
+        return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
     factor = yarn_factor(config)
 
     def get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -144,7 +153,8 @@ def rope_attention_factor(config: ModelConfig) -> float:
 
 
 class RotaryCache:
-    """cos/sin tables [P, Dh/2] for every position < max_position_embeddings, one per (device, dtype).
+    """cos/sin tables [P, R/2] (R: ``rotary_dim``) for every position < max_position_embeddings, one per
+    (device, dtype).
 
     Tables are computed in float32 (as transformers does) and then cast, so bf16 models see the
     same rounded cos/sin as the reference. Not a buffer: it never enters the state dict.
@@ -166,7 +176,12 @@ class RotaryCache:
 
 
 def apply_rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF convention: first half pairs with second half). cos/sin: [T, Dh/2]."""
+    """Rotate-half RoPE (HF convention: first half pairs with second half). cos/sin: [T, R/2]; where R is
+    less than Dh (a partial ``rotary_dim``) the first R dimensions turn and the rest pass as they are."""
+    rotary = 2 * cos_TF.shape[-1]
+    if rotary < x_THD.shape[-1]:
+        turned = apply_rope(x_THD[..., :rotary].contiguous(), cos_TF, sin_TF)
+        return torch.cat((turned, x_THD[..., rotary:].to(turned.dtype)), dim=-1)
     if fused_ops.active(x_THD):
         return fused_ops.rope(x_THD, cos_TF, sin_TF)
     if cpu_train_ops.applies(x_THD):
@@ -314,6 +329,8 @@ class Attention(nn.Module):
         if rotary is None or qkv_TN is None or self.q_scale != 1.0 or _autocast_dtype(qkv_TN.device.type) is not None:
             return None
         if self.scaled_queries:  # q's tables differ from k's: the kernel turns both by one
+            return None
+        if 2 * cos_TF.shape[-1] != self.head_dim:  # a partial rotary_dim: the fused kernels turn whole heads
             return None
         sinks = {} if self.sinks is None else {"sinks_H": self.sinks}
         if not hasattr(self, "q_norm"):
@@ -583,7 +600,7 @@ class Decoder(nn.Module):
     def rope_at(
         self, position_ids_T: torch.Tensor, device: torch.device, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, Dh/2] at ``position_ids_T``; [2, T, Dh/2] (the full layers', the window
+        """cos and sin [T, R/2] at ``position_ids_T``; [2, T, R/2] (the full layers', the window
         layers') where the window layers turn otherwise (``Attention.rope_slot`` picks), or (k's, q's) where
         queries are scaled by position (Ministral 3: a scale times a rotation is the scaled rotation)."""
         cos_PF, sin_PF = self.rope.get(device, dtype)

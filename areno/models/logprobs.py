@@ -633,8 +633,7 @@ def packed_logprobs(
     max_len = int((cu_host_B1[1:] - cu_host_B1[:-1]).max()) if T else 0
     if max_len > model.config.max_seq_len:
         raise ValueError(
-            f"a packed sequence has {max_len} tokens, more than the model's "
-            f"max_position_embeddings={model.config.max_seq_len}"
+            f"a packed sequence has {max_len} tokens, more than the model's {model.config.positions_source}"
         )
     device = input_ids_T.device
     attn = PackedCausalAttention.for_model(cu_host_B1, model.config)

@@ -52,7 +52,8 @@ class RolloutEngineSettings:
     prefill_chunk_size: int = 1024
     """Most prompt tokens of one sequence prefilled in one step (chunked prefill)."""
     max_model_len: int | None = None
-    """Longest sequence (prompt + output); null: the model's ``max_position_embeddings``."""
+    """Longest sequence (prompt + output); null: the model's ``max_position_embeddings`` (LongRoPE models:
+    its ``original_max_position_embeddings``, which areno computes as transformers does)."""
     enable_prefix_sharing: bool = True
     """Share full KV blocks of identical prefixes between requests (GRPO groups, multi-turn)."""
     block_size: int = 16

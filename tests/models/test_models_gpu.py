@@ -25,11 +25,21 @@ def _ref_logprobs(ref, seqs):
 
 
 @pytest.mark.parametrize(
-    "arch", ["qwen2", "qwen3", "llama", "olmo2", "olmo3", "gemma3", "phi3", "smollm3", "ministral3", "gpt_oss"]
+    "arch",
+    ["qwen2", "qwen3", "llama", "olmo2", "olmo3", "gemma3", "phi3", "phi4_mini", "smollm3", "ministral3", "gpt_oss"],
 )
 def test_bf16_logprob_parity_with_transformers(arch, tmp_path):
     torch.manual_seed(0)
-    config = tiny_config(VOCAB, arch=arch, hidden_size=256, layers=4, heads=8, kv_heads=2, initializer_range=0.05)
+    kw = {"arch": arch}
+    if arch == "phi4_mini":  # 24 of 32 head dimensions turned by LongRoPE's short factors, within 512 positions
+        short = [1.0 + 0.2 * i for i in range(12)]
+        rope = {"rope_type": "longrope", "short_factor": short, "long_factor": [2 * x for x in short]}
+        kw = {
+            "arch": "phi3",
+            "partial_rotary_factor": 0.75,
+            "rope_scaling": {**rope, "original_max_position_embeddings": 512},
+        }
+    config = tiny_config(VOCAB, hidden_size=256, layers=4, heads=8, kv_heads=2, initializer_range=0.05, **kw)
     save_model(Decoder(config), config, tmp_path)
     lens = [100, 37, 300]
     seqs = [torch.randint(0, VOCAB, (n,), device="cuda") for n in lens]

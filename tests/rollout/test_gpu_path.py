@@ -70,16 +70,28 @@ def test_padding_buckets():
     assert [graph_num_blocks(n, paged=True) for n in (1, 17, 64, 65, 200)] == [64, 64, 64, 128, 256]
 
 
+# LongRoPE over 3 turned frequencies, its original context past every prompt and its 20 new tokens
+PHI4_MINI_ROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 2.3, 3.1],
+    "long_factor": [2.0, 4.6, 6.2],
+    "original_max_position_embeddings": 64,
+}
+
+
 @pytest.mark.gpu
 # olmo3 / gemma3: a 6-key window in layer 0 only, layer 1 in full; qwen3 / gemma3: per-head q/k norms;
 # ministral3: queries scaled by position (every 8 positions), past the fused RoPE kernels; gpt_oss: sinks in
-# every attention path, a 6-key window in layer 0, biased experts in CUDA graphs
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo3", "gemma3", "ministral3", "gpt_oss"])
+# every attention path, a 6-key window in layer 0, biased experts in CUDA graphs; phi4_mini: 6 of 8 head
+# dimensions turned by LongRoPE's short factors, past the fused RoPE kernels
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo3", "gemma3", "ministral3", "gpt_oss", "phi4_mini"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_match_eager_on_gpu(dtype, arch):
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 
     kw = {"arch": arch, "sliding_window": 6} if arch in ("olmo3", "gemma3", "gpt_oss") else {"arch": arch}
+    if arch == "phi4_mini":
+        kw = {"arch": "phi3", "partial_rotary_factor": 0.75, "rope_scaling": PHI4_MINI_ROPE}
     model, cfg = make_model(0, **kw)
     model = model.to(device="cuda", dtype=dtype)
     prompts = random_prompts(11, seed=40)

@@ -504,3 +504,22 @@ def test_the_training_side_runs_on_the_train_components_gpu_beside_servers(tmp_p
     cfg, _ = _server_config(tmp_path, "cluster.allocation_mode='vllm:d1+fsdp:d1'", "cluster.device=cuda", servers)
     engine = build_engine(cfg, tmp_path / "run")
     assert engine.training.device == torch.device("cuda", 1) and chosen == [torch.device("cuda", 1)]
+
+
+def test_servers_keep_a_longrope_models_context_within_its_original_one(tmp_path, monkeypatch):
+    """Past LongRoPE's original context a server turns by the long factors, which training does not: areno
+    bounds the servers it starts there unless ``rollout.max_model_len`` says otherwise."""
+    from areno.models import tiny_config
+
+    monkeypatch.setattr("areno.engine.servers.check_server_install", lambda backend: None)
+    cfg, model = _server_config(tmp_path, "rollout.backend=vllm")
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    longrope = tiny_config(61, arch="phi3", rope_scaling={**rope, "original_max_position_embeddings": 512})
+    (model / "config.json").write_text(json.dumps(longrope.to_hf()))
+    assert ServerRolloutSide(cfg, tmp_path / "run")._specs(model, 1, 1, "k")[0].max_model_len == 512
+    cfg, _ = _server_config(tmp_path, "rollout.backend=vllm", "rollout.max_model_len=256")
+    (model / "config.json").write_text(json.dumps(longrope.to_hf()))
+    assert ServerRolloutSide(cfg, tmp_path / "run")._specs(model, 1, 1, "k")[0].max_model_len == 256
+    cfg, _ = _server_config(tmp_path, "rollout.backend=vllm")
+    (model / "config.json").write_text(json.dumps(tiny_config(61, arch="phi3").to_hf()))
+    assert ServerRolloutSide(cfg, tmp_path / "run")._specs(model, 1, 1, "k")[0].max_model_len is None
