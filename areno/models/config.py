@@ -67,6 +67,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
     "GptOssForCausalLM": "gpt_oss",
+    "Glm4ForCausalLM": "glm4",
 }
 SEQUENCE_CLASSIFIER_SUFFIX = "ForSequenceClassification"
 """transformers' scalar-head layout (``score.weight`` [num_labels, hidden] on the decoder, no LM
@@ -104,7 +105,8 @@ ROPE_PER_TYPE_ARCHITECTURES = ("Olmo3ForCausalLM", GEMMA3)
 """The layouts whose transformers class turns the window layers by their own RoPE (``rope_parameters``
 per layer type)."""
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
-PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM",)
+GLM4 = "Glm4ForCausalLM"
+PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", GLM4)
 """The layouts whose transformers class turns only the first ``partial_rotary_factor`` of each head (Phi-4-mini)."""
 
 
@@ -139,7 +141,10 @@ class ModelConfig:
     apply only past ``original_max_position_embeddings``, which ``max_seq_len`` keeps every sequence within."""
     partial_rotary_factor: float = 1.0
     """The share of each head's dimensions that RoPE turns (``rotary_dim``, the first ones); the rest pass
-    unturned (Phi-4-mini: 0.75)."""
+    unturned (Phi-4-mini: 0.75, GLM-4: 0.5)."""
+    rope_interleaved: bool = False
+    """RoPE turns adjacent pairs of dimensions (0 with 1, 2 with 3: GLM-4) instead of each half's i-th with
+    the other's (transformers' ``rotate_half``)."""
     max_position_embeddings: int = 2048
     """Longest position the model was built for; RoPE tables are sized to it."""
     tie_word_embeddings: bool = False
@@ -160,7 +165,9 @@ class ModelConfig:
     ``post``: each block's output is normed before its residual add (``post_attention_layernorm``,
     ``post_feedforward_layernorm``; the weight applied in float32: OLMo 2); ``sandwich``: both
     (``input_layernorm`` and ``post_attention_layernorm`` around attention, ``pre_feedforward_layernorm`` and
-    ``post_feedforward_layernorm`` around the MLP; in float32: Gemma 3)."""
+    ``post_feedforward_layernorm`` around the MLP; in float32: Gemma 3; GLM-4 names them ``input_layernorm``,
+    ``post_self_attn_layernorm``, ``post_attention_layernorm`` and ``post_mlp_layernorm`` and scales in the
+    model dtype, as Llama)."""
     norm_weight_offset: float = 0.0
     """What every RMSNorm adds to its weight (Gemma 3: 1, its weights stored as offsets from 1 and
     initialised to 0)."""
@@ -315,7 +322,11 @@ class ModelConfig:
             raise ValueError(
                 f"query_pre_attn_scalar={self.query_pre_attn_scalar} is only expressible (> 0) for {GEMMA3}"
             )
-        layouts = {**dict.fromkeys(OLMO_ARCHITECTURES, ("projection", "post")), GEMMA3: ("head", "sandwich")}
+        layouts = {
+            **dict.fromkeys(OLMO_ARCHITECTURES, ("projection", "post")),
+            GEMMA3: ("head", "sandwich"),
+            GLM4: ("head", "sandwich"),
+        }
         scope, layout = layouts.get(arch, ("head", "pre"))
         if (self.qk_norm_scope, self.norm_layout) != (scope, layout):
             raise ValueError(
@@ -346,6 +357,10 @@ class ModelConfig:
             self.attention_bias or self.attention_out_bias
         ):
             raise ValueError(f"{arch} has no attention bias")
+        if arch == GLM4 and self.attention_out_bias:
+            raise ValueError(f"{arch} has no o_proj bias (attention_bias is its q/k/v's)")
+        if self.rope_interleaved != (arch == GLM4):
+            raise ValueError(f"rope_interleaved={self.rope_interleaved} is impossible for {arch} (GLM-4's RoPE only)")
         if self.mlp_bias and arch not in ("LlamaForCausalLM", "SmolLM3ForCausalLM"):
             raise ValueError(
                 f"mlp_bias=True is only expressible for LlamaForCausalLM and SmolLM3ForCausalLM, not {arch}"
@@ -534,6 +549,19 @@ class ModelConfig:
         )
 
     @property
+    def sandwich_norm_names(self) -> tuple[str, str, str, str]:
+        """The sandwich layout's norms (before attention, after it, before the MLP, after it) under the
+        family's names: GLM-4's, else Gemma 3's."""
+        if self.architecture == GLM4:
+            return ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
+        return (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        )
+
+    @property
     def rotary_dim(self) -> int:
         """How many of each head's first dimensions RoPE turns (transformers' ``int(head_dim * factor)``)."""
         return int(self.head_dim * self.partial_rotary_factor)
@@ -624,6 +652,8 @@ class ModelConfig:
             qkv_bias, out_bias = True, False
         elif arch in ("MistralForCausalLM", MINISTRAL3, "MixtralForCausalLM", "Phi3ForCausalLM"):
             qkv_bias = out_bias = False
+        elif arch == GLM4:
+            qkv_bias, out_bias = attn_bias, False
         else:
             qkv_bias = out_bias = attn_bias
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
@@ -638,7 +668,8 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            partial_rotary_factor=_read_partial_rotary(d),
+            partial_rotary_factor=_read_partial_rotary(d, 0.5 if arch == GLM4 else 1.0),
+            rope_interleaved=arch == GLM4,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
@@ -647,7 +678,7 @@ class ModelConfig:
             nope_layers=_nope_layers(arch, d),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *OLMO_ARCHITECTURES, GEMMA3),
             qk_norm_scope="projection" if arch in OLMO_ARCHITECTURES else "head",
-            norm_layout="post" if arch in OLMO_ARCHITECTURES else "sandwich" if arch == GEMMA3 else "pre",
+            norm_layout="post" if arch in OLMO_ARCHITECTURES else "sandwich" if arch in (GEMMA3, GLM4) else "pre",
             **(_gemma3_fields(d) if arch == GEMMA3 else {}),
             sliding_window=sliding_window,
             window_layers=window_layers,
@@ -698,11 +729,12 @@ class ModelConfig:
             "SmolLM3ForCausalLM",
             GEMMA3,
             GPT_OSS,
+            GLM4,
         ):
             d["attention_bias"] = self.attention_bias
         if self.architecture in ("LlamaForCausalLM", "SmolLM3ForCausalLM"):
             d["mlp_bias"] = self.mlp_bias
-        if self.partial_rotary_factor != 1:
+        if self.partial_rotary_factor != 1 or self.architecture == GLM4:  # GLM-4's class defaults to 0.5
             d["partial_rotary_factor"] = self.partial_rotary_factor
         if self.architecture == "Phi3ForCausalLM":  # its class reads this over the RoPE dict's (default 4096)
             d["original_max_position_embeddings"] = (self.rope_scaling or {}).get(
@@ -931,6 +963,10 @@ HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
                           "router_aux_loss_coef": 0.001, "output_router_logits": False, "rope_theta": 5e5},
     "phi3": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "sliding_window": None,
              "original_max_position_embeddings": 4096, "rope_theta": 1e4},
+    "glm4": {**_COMMON, "rms_norm_eps": 1.5625e-07, "vocab_size": 151552, "hidden_size": 4096,
+             "intermediate_size": 13696, "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 2,
+             "head_dim": 128, "max_position_embeddings": 131072, "attention_bias": True, "pad_token_id": 151329,
+             "rope_theta": 1e4},
     "gpt_oss": {**_COMMON, "rms_norm_eps": 1e-5, "vocab_size": 201088, "hidden_size": 2880,
                 "intermediate_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
                 "head_dim": 64, "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128,
@@ -1209,9 +1245,9 @@ def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling or None
 
 
-def _read_partial_rotary(d: dict[str, Any]) -> float:
+def _read_partial_rotary(d: dict[str, Any], default: float) -> float:
     """``partial_rotary_factor`` from the top level or a RoPE dict (transformers 5 keeps it in
-    ``rope_parameters``); 1 where none gives it. Values that differ are refused: transformers versions read
+    ``rope_parameters``); ``default`` (the class's: GLM-4's 0.5) where none gives it. Values that differ are refused: transformers versions read
     different ones."""
     values = {}
     if d.get("partial_rotary_factor") is not None:
@@ -1225,7 +1261,7 @@ def _read_partial_rotary(d: dict[str, Any]) -> float:
             f"config.json gives partial_rotary_factor {values} (transformers versions read different ones): make "
             "them agree"
         )
-    return float(next(iter(values.values()), 1.0))
+    return float(next(iter(values.values()), default))
 
 
 def _phi3_rope_type(d: dict[str, Any]) -> dict[str, Any]:

@@ -175,10 +175,21 @@ class RotaryCache:
         return self._tables[key]
 
 
-def apply_rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
+def apply_rope(
+    x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor, *, interleaved: bool = False
+) -> torch.Tensor:
     """Rotate-half RoPE (HF convention: first half pairs with second half). cos/sin: [T, R/2]; where R is
-    less than Dh (a partial ``rotary_dim``) the first R dimensions turn and the rest pass as they are."""
+    less than Dh (a partial ``rotary_dim``) the first R dimensions turn and the rest pass as they are.
+    ``interleaved``: pairs of adjacent dimensions turn (GLM-4), as rotate-half over them laid out evens first."""
     rotary = 2 * cos_TF.shape[-1]
+    if interleaved:
+        T, H = x_THD.shape[:2]
+        halves = x_THD[..., :rotary].unflatten(-1, (rotary // 2, 2)).transpose(-1, -2).reshape(T, H, rotary)
+        turned = apply_rope(halves, cos_TF, sin_TF).unflatten(-1, (2, rotary // 2)).transpose(-1, -2)
+        turned = turned.reshape(T, H, rotary)
+        if rotary == x_THD.shape[-1]:
+            return turned
+        return torch.cat((turned, x_THD[..., rotary:].to(turned.dtype)), dim=-1)
     if rotary < x_THD.shape[-1]:
         turned = apply_rope(x_THD[..., :rotary].contiguous(), cos_TF, sin_TF)
         return torch.cat((turned, x_THD[..., rotary:].to(turned.dtype)), dim=-1)
@@ -243,6 +254,8 @@ class Attention(nn.Module):
         self.use_rope = layer_idx not in config.nope_layers  # SmolLM3 leaves every fourth layer unrotated
         # which of a stacked [2, T, F] cos/sin this layer turns by (OLMo 3's window layers: their own RoPE)
         self.rope_slot = int(config.window_rope is not None and config.layer_window(layer_idx) is not None)
+        self.rope_interleaved = config.rope_interleaved
+        """GLM-4: adjacent dimensions turn together (``apply_rope(interleaved=True)``)."""
         self.scaled_queries = config.query_position_scale is not None
         """Ministral 3: q turns by its own tables, the position's query scale folded in (``Decoder.rope_at``)."""
         # Qwen3 normalises each head (weights [Dh]); OLMo 2 the whole projection, before the head split
@@ -295,15 +308,18 @@ class Attention(nn.Module):
                 # q and k are adjacent columns of one product: one RoPE over their heads (one kernel;
                 # eager, half the ops of two calls: the same products per element)
                 qk_THD = apply_rope(
-                    qkv_TN[:, : (hq + hk) * self.head_dim].view(T, hq + hk, self.head_dim), cos_TF, sin_TF
+                    qkv_TN[:, : (hq + hk) * self.head_dim].view(T, hq + hk, self.head_dim),
+                    cos_TF,
+                    sin_TF,
+                    interleaved=self.rope_interleaved,
                 )
                 q_THD, k_THD = qk_THD[:, :hq], qk_THD[:, hq:]
             else:
                 if self.qk_norm_heads:
                     q_THD = self.q_norm(q_THD)
                     k_THD = self.k_norm(k_THD)
-                q_THD = apply_rope(q_THD, qcos_TF, qsin_TF)
-                k_THD = apply_rope(k_THD, cos_TF, sin_TF)
+                q_THD = apply_rope(q_THD, qcos_TF, qsin_TF, interleaved=self.rope_interleaved)
+                k_THD = apply_rope(k_THD, cos_TF, sin_TF, interleaved=self.rope_interleaved)
         if self.q_scale != 1.0:
             q_THD = q_THD * self.q_scale
         if self.sinks is not None:
@@ -330,7 +346,7 @@ class Attention(nn.Module):
             return None
         if self.scaled_queries:  # q's tables differ from k's: the kernel turns both by one
             return None
-        if 2 * cos_TF.shape[-1] != self.head_dim:  # a partial rotary_dim: the fused kernels turn whole heads
+        if 2 * cos_TF.shape[-1] != self.head_dim or self.rope_interleaved:  # the fused kernels turn whole heads
             return None
         sinks = {} if self.sinks is None else {"sinks_H": self.sinks}
         if not hasattr(self, "q_norm"):
@@ -414,9 +430,10 @@ class DecoderLayer(nn.Module):
         d, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_weight_offset
         self.layout = config.norm_layout
         self.post_norms = self.layout == "post"
-        if self.layout == "sandwich":  # Gemma 3: a norm before and after each block
-            for name in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
-                setattr(self, f"{name}_layernorm", RMSNorm(d, eps, offset=offset))
+        self.sandwich_names = config.sandwich_norm_names
+        if self.layout == "sandwich":  # Gemma 3, GLM-4: a norm before and after each block
+            for name in self.sandwich_names:
+                setattr(self, name, RMSNorm(d, eps, offset=offset))
         elif self.post_norms:  # OLMo 2: each block's output normed before its residual add
             self.post_attention_layernorm = RMSNorm(d, eps, scale_in_float32=True)
             self.post_feedforward_layernorm = RMSNorm(d, eps, scale_in_float32=True)
@@ -424,13 +441,17 @@ class DecoderLayer(nn.Module):
             self.input_layernorm = RMSNorm(d, eps)
             self.post_attention_layernorm = RMSNorm(d, eps)
 
+    def sandwich_norms(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+        """The sandwich layout's norms: before attention, after it, before the MLP, after it."""
+        return tuple(getattr(self, name) for name in self.sandwich_names)  # type: ignore[return-value]
+
     def forward(
         self, x_TD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         if self.layout == "sandwich":
-            attended_TD = self.self_attn(self.input_layernorm(x_TD), cos_TF, sin_TF, attn)
-            x_TD = x_TD + self.post_attention_layernorm(attended_TD)
-            return x_TD + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x_TD)))
+            attn_in, attn_out, mlp_in, mlp_out = self.sandwich_norms()
+            x_TD = x_TD + attn_out(self.self_attn(attn_in(x_TD), cos_TF, sin_TF, attn))
+            return x_TD + mlp_out(self.mlp(mlp_in(x_TD)))
         if self.post_norms:
             x_TD = x_TD + self.post_attention_layernorm(self.self_attn(x_TD, cos_TF, sin_TF, attn))
             return x_TD + self.post_feedforward_layernorm(self.mlp(x_TD))

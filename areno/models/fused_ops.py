@@ -386,6 +386,11 @@ def add_parts_rms_norm(
     return _add_rms_norm(x, parts_PTD, weight, eps, parts_PTD.shape[0])
 
 
+def norms_fit_norm_add_norm(norms: list[nn.Module]) -> bool:
+    """Whether ``norm_add_norm`` serves these ``RMSNorm``s: all scale in float32, with one weight offset."""
+    return all(n.scale_in_float32 or n.offset for n in norms) and len({n.offset for n in norms}) <= 1
+
+
 def norm_add_norm(
     x: torch.Tensor, r: torch.Tensor, branch_norm: nn.Module, next_norm: nn.Module | None, *, parts: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -396,7 +401,7 @@ def norm_add_norm(
     [P, T, D] summed in order and rounded to x's dtype first (``add_parts_rms_norm``).
     ``eager_norm_add_norm`` is the reference."""
     norms = [branch_norm] if next_norm is None else [branch_norm, next_norm]
-    if not all(n.scale_in_float32 or n.offset for n in norms) or len({n.offset for n in norms}) > 1:
+    if not norms_fit_norm_add_norm(norms):
         raise ValueError("norm_add_norm: the norms must scale in float32 and share one weight offset")
     r = r if parts else r.reshape(-1, x.shape[-1])
     r = r if r.stride(-1) == 1 else r.contiguous()

@@ -48,6 +48,7 @@ _TINY_ARCHS = {
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "glm4": "Glm4ForCausalLM",
 }
 
 
@@ -566,7 +567,7 @@ def tiny_config(
     """A small ``ModelConfig`` of the given family for tests and demos.
 
     ``arch``: llama, qwen2, qwen3, mistral, olmo2, olmo3 or gemma3 (a 16-token window in every layer but the
-    last; gemma3's turning at base 1,000 there), phi3,
+    last; gemma3's turning at base 1,000 there), phi3, glm4 (half of each head turned, by adjacent pairs),
     ministral3 (queries scaled by position every 8 positions), smollm3 (no RoPE in layers 3, 7, ...), qwen3_moe,
     mixtral (4 experts, top-2, each half the dense MLP's width) or gpt_oss (those experts with biases and the
     clamped SwiGLU, attention biases and sinks, a 16-token window in every other layer from the first). ``kw`` overrides any other ModelConfig field
@@ -579,7 +580,7 @@ def tiny_config(
     if arch not in _TINY_ARCHS:
         raise ValueError(f"tiny_config arch must be one of {sorted(_TINY_ARCHS)}, got {arch!r}")
     architecture = _TINY_ARCHS[arch]
-    qkv_bias = arch in ("qwen2", "gpt_oss")
+    qkv_bias = arch in ("qwen2", "gpt_oss", "glm4")
     fields: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -593,7 +594,7 @@ def tiny_config(
         attention_out_bias=arch == "gpt_oss",
         qk_norm=arch in ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3"),
         qk_norm_scope="projection" if arch in ("olmo2", "olmo3") else "head",
-        norm_layout="post" if arch in ("olmo2", "olmo3") else "sandwich" if arch == "gemma3" else "pre",
+        norm_layout="post" if arch in ("olmo2", "olmo3") else "sandwich" if arch in ("gemma3", "glm4") else "pre",
         architecture=architecture,
         model_type=SUPPORTED_ARCHITECTURES[architecture],
         pad_token_id=0,
@@ -609,6 +610,8 @@ def tiny_config(
             fields["window_rope"] = {"rope_theta": 1000.0}
     if arch == "ministral3":  # the query scale past a short period, so that short sequences reach it
         fields["query_position_scale"] = (0.1, 8)
+    if arch == "glm4":  # half of each head turned, adjacent pairs together
+        fields.update(partial_rotary_factor=0.5, rope_interleaved=True)
     if arch == "smollm3":
         fields["nope_layers"] = tuple(i for i in range(layers) if (i + 1) % 4 == 0)
     if arch in ("qwen3_moe", "mixtral", "gpt_oss"):

@@ -175,6 +175,10 @@ def forward_add_norm(
     MLP's ``decode_partials`` serves (``decode_mlp``: its GEMMs summed in another order). The
     post-norm and sandwich layouts (``DecoderLayer.layout``) take ``forward_norm_add_norm``."""
     if layers[0].layout != "pre":
+        if not fused_ops.norms_fit_norm_add_norm([final_norm, *(n for layer in layers for n in _norms(layer))]):
+            for layer in layers:  # GLM-4's sandwich norms scale in the model dtype: the kernel does not serve
+                x_TD = layer(x_TD, cos_TF, sin_TF, attn)
+            return final_norm(x_TD)
         return forward_norm_add_norm(layers, final_norm, x_TD, cos_TF, sin_TF, attn)
     h_TD = layers[0].input_layernorm(x_TD)
     for i, layer in enumerate(layers):
@@ -190,6 +194,13 @@ def forward_add_norm(
     return h_TD
 
 
+def _norms(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """A post-norm or sandwich layer's norms."""
+    if layer.layout == "post":
+        return (layer.post_attention_layernorm, layer.post_feedforward_layernorm)
+    return layer.sandwich_norms()
+
+
 def forward_norm_add_norm(
     layers: nn.ModuleList,
     final_norm: nn.Module,
@@ -202,20 +213,20 @@ def forward_norm_add_norm(
     (``fused_ops.norm_add_norm``): post (OLMo 2: the sum is the next block's input; the final norm
     joins the last add) and sandwich (Gemma 3: the sum's norm is the next block's input norm)."""
     post = layers[0].layout == "post"
-    h_TD = x_TD if post else layers[0].input_layernorm(x_TD)
+    h_TD = x_TD if post else layers[0].sandwich_norms()[0](x_TD)
     for i, layer in enumerate(layers):
-        mid = None if post else layer.pre_feedforward_layernorm
-        x_TD, h_TD = fused_ops.norm_add_norm(
-            x_TD, layer.self_attn(h_TD, cos_TF, sin_TF, attn), layer.post_attention_layernorm, mid
+        attn_out, mid, mlp_out = (
+            (layer.post_attention_layernorm, None, layer.post_feedforward_layernorm)
+            if post
+            else layer.sandwich_norms()[1:]
         )
+        x_TD, h_TD = fused_ops.norm_add_norm(x_TD, layer.self_attn(h_TD, cos_TF, sin_TF, attn), attn_out, mid)
         h_TD = x_TD if post else h_TD
         last = i + 1 == len(layers)
-        nxt = final_norm if last else None if post else layers[i + 1].input_layernorm
+        nxt = final_norm if last else None if post else layers[i + 1].sandwich_norms()[0]
         parts = getattr(layer.mlp, "decode_partials", None)  # the dense MLP's split down projection
         parts_PTD = parts(h_TD) if parts is not None else None
         branch = parts_PTD if parts_PTD is not None else layer.mlp(h_TD)
-        x_TD, h_TD = fused_ops.norm_add_norm(
-            x_TD, branch, layer.post_feedforward_layernorm, nxt, parts=parts_PTD is not None
-        )
+        x_TD, h_TD = fused_ops.norm_add_norm(x_TD, branch, mlp_out, nxt, parts=parts_PTD is not None)
         h_TD = x_TD if h_TD is None else h_TD
     return h_TD

@@ -1,6 +1,6 @@
 """Checkpoints that store a layer's q/k/v projections as one tensor and its gate/up projections as
-another (Phi-3: ``self_attn.qkv_proj``, ``mlp.gate_up_proj``), against the ``Decoder``'s separate
-``q_proj`` / ``k_proj`` / ``v_proj`` / ``gate_proj`` / ``up_proj``.
+another (Phi-3: ``self_attn.qkv_proj``, ``mlp.gate_up_proj``; GLM-4: ``mlp.gate_up_proj`` only), against the
+``Decoder``'s separate ``q_proj`` / ``k_proj`` / ``v_proj`` / ``gate_proj`` / ``up_proj``.
 
 Only files use the packed names: ``hf_io.save_state`` writes them (what transformers loads) and
 ``hf_io.load_model`` and the engine's disk reload split them; a LoRA adapter's export packs the
@@ -15,7 +15,8 @@ import torch
 
 from areno.models.config import ModelConfig
 
-PACKED_ARCHITECTURES = ("Phi3ForCausalLM",)
+PACKED_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4ForCausalLM")
+_PACKED_QKV = ("Phi3ForCausalLM",)
 
 
 def packed_names(config: ModelConfig) -> dict[str, list[tuple[str, int]]]:
@@ -27,11 +28,12 @@ def packed_names(config: ModelConfig) -> dict[str, list[tuple[str, int]]]:
     out: dict[str, list[tuple[str, int]]] = {}
     for i in range(config.num_hidden_layers):
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        out[f"{attn}qkv_proj.weight"] = [
-            (f"{attn}q_proj.weight", q),
-            (f"{attn}k_proj.weight", kv),
-            (f"{attn}v_proj.weight", kv),
-        ]
+        if config.architecture in _PACKED_QKV:
+            out[f"{attn}qkv_proj.weight"] = [
+                (f"{attn}q_proj.weight", q),
+                (f"{attn}k_proj.weight", kv),
+                (f"{attn}v_proj.weight", kv),
+            ]
         out[f"{mlp}gate_up_proj.weight"] = [(f"{mlp}gate_proj.weight", inter), (f"{mlp}up_proj.weight", inter)]
     return out
 

@@ -64,10 +64,11 @@ def tp_plan(config: ModelConfig) -> dict[str, str]:
     if config.qk_norm:
         plan[f"{layer}self_attn.q_norm.weight"] = REPLICATE
         plan[f"{layer}self_attn.k_norm.weight"] = REPLICATE
-    if config.norm_layout in ("post", "sandwich"):
+    if config.norm_layout == "post":
         plan[f"{layer}post_feedforward_layernorm.weight"] = REPLICATE
     if config.norm_layout == "sandwich":
-        plan[f"{layer}pre_feedforward_layernorm.weight"] = REPLICATE
+        for name in config.sandwich_norm_names:
+            plan[f"{layer}{name}.weight"] = REPLICATE
     if not config.tie_word_embeddings:
         plan["lm_head.weight"] = COLWISE
     if config.num_experts:  # expert models run whole (check_tp_size): their sparse blocks are never split

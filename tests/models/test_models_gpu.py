@@ -26,7 +26,20 @@ def _ref_logprobs(ref, seqs):
 
 @pytest.mark.parametrize(
     "arch",
-    ["qwen2", "qwen3", "llama", "olmo2", "olmo3", "gemma3", "phi3", "phi4_mini", "smollm3", "ministral3", "gpt_oss"],
+    [
+        "qwen2",
+        "qwen3",
+        "llama",
+        "olmo2",
+        "olmo3",
+        "gemma3",
+        "phi3",
+        "phi4_mini",
+        "glm4",
+        "smollm3",
+        "ministral3",
+        "gpt_oss",
+    ],
 )
 def test_bf16_logprob_parity_with_transformers(arch, tmp_path):
     torch.manual_seed(0)

@@ -83,8 +83,9 @@ PHI4_MINI_ROPE = {
 # olmo3 / gemma3: a 6-key window in layer 0 only, layer 1 in full; qwen3 / gemma3: per-head q/k norms;
 # ministral3: queries scaled by position (every 8 positions), past the fused RoPE kernels; gpt_oss: sinks in
 # every attention path, a 6-key window in layer 0, biased experts in CUDA graphs; phi4_mini: 6 of 8 head
-# dimensions turned by LongRoPE's short factors, past the fused RoPE kernels
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo3", "gemma3", "ministral3", "gpt_oss", "phi4_mini"])
+# dimensions turned by LongRoPE's short factors, past the fused RoPE kernels; glm4: adjacent pairs of half
+# of each head turned, sandwich norms in the model dtype (past the fused add + norm kernels)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo3", "gemma3", "ministral3", "gpt_oss", "phi4_mini", "glm4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_match_eager_on_gpu(dtype, arch):
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
