@@ -129,6 +129,28 @@ CPU5M_GEMMA3 = {
     "rope_local_base_freq": 10000.0,
     "tie_word_embeddings": True,
 }
+# and in GLM-4's (half of each head turned by adjacent pairs, norms around each block, q/k/v biases)
+CPU5M_GLM4 = {
+    **CPU5M,
+    "architectures": ["Glm4ForCausalLM"],
+    "model_type": "glm4",
+    "head_dim": 64,
+    "partial_rotary_factor": 0.5,
+    "attention_bias": True,
+}
+# and in Phi-4-mini's (three quarters of each head turned, by LongRoPE's short factors within 4,096 positions)
+_SHORT = [1.0 + 0.05 * i for i in range(24)]
+CPU5M_PHI4_MINI = {
+    **CPU5M,
+    "architectures": ["Phi3ForCausalLM"],
+    "model_type": "phi3",
+    "head_dim": 64,
+    "partial_rotary_factor": 0.75,
+    "rope_scaling": {"rope_type": "longrope", "short_factor": _SHORT, "long_factor": [2 * x for x in _SHORT]},
+    "original_max_position_embeddings": 4096,
+    "max_position_embeddings": 16384,
+    "sliding_window": None,
+}
 # shape -> (HF config dict, default prompt length, default completion length)
 SHAPES = {
     "0.5b": (E2E_05B, 64, 512),
@@ -140,6 +162,8 @@ SHAPES = {
     "cpu5m": (CPU5M, 34, 128),
     "cpu5m-olmo2": (CPU5M_OLMO2, 34, 128),
     "cpu5m-gemma3": (CPU5M_GEMMA3, 34, 128),
+    "cpu5m-glm4": (CPU5M_GLM4, 34, 128),
+    "cpu5m-phi4mini": (CPU5M_PHI4_MINI, 34, 128),
 }
 SYSTEMS = (
     "areno",
@@ -762,7 +786,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shapes",
         default=None,
-        help="comma list of 0.5b,1.5b,olmo2-1b,gemma3-1b,tiny,cpu12m,cpu5m,cpu5m-olmo2,cpu5m-gemma3 (default: 0.5b,1.5b on CUDA, tiny on CPU)",
+        help="comma list of 0.5b,1.5b,olmo2-1b,gemma3-1b,tiny,cpu12m,cpu5m,cpu5m-olmo2,cpu5m-gemma3,cpu5m-glm4,cpu5m-phi4mini (default: 0.5b,1.5b on CUDA, tiny on CPU)",
     )
     p.add_argument("--systems", default="areno,areno_async,trl", help=f"comma list of {','.join(SYSTEMS)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system")

@@ -230,3 +230,14 @@ def test_reward_is_the_fraction_of_vowels():
     assert e2e.reward("p", "abcE") == 0.5  # a and E of four characters
     text = "<unused123>Hello, wOrld" * 7
     assert e2e.reward("p", text) == sum(c in "aeiouAEIOU" for c in text) / len(text)
+
+
+@pytest.mark.parametrize("shape", sorted(e2e.SHAPES))
+def test_every_shape_is_a_config_areno_reads(shape):
+    """Each shape's config.json as written reads as the family it names (no weights built)."""
+    from areno.models import ModelConfig
+
+    hf, prompt_len, completion_len = e2e.SHAPES[shape]
+    config = ModelConfig.from_hf({**hf, "vocab_size": hf["vocab_size"] or 64})
+    assert config.architecture == hf.get("architectures", ["Qwen2ForCausalLM"])[0]
+    assert prompt_len + completion_len <= config.max_seq_len
