@@ -435,8 +435,17 @@ def check_context_length(config: ArenoConfig) -> None:
     if config.rollout.max_model_len and config.rollout.max_model_len > limit:
         raise ConfigError(
             f"rollout.max_model_len={config.rollout.max_model_len} exceeds the model's {model_config.positions_source} "
-            f"({config.model.path}/config.json), past which it computes no positions as transformers does: set it "
-            f"to at most {limit}"
+            f"in {config.model.path}/config.json, beyond which areno cannot compute it as transformers does: set "
+            f"it to at most {limit}"
+        )
+    context = config.rollout.max_model_len or limit
+    if config.rollout.max_new_tokens >= context:
+        logger.warning(
+            "rollout.max_new_tokens=%d is not below the context of %d tokens (rollout.max_model_len, else the "
+            "model's %s): a completion stops where its prompt and it fill the context, before its budget",
+            config.rollout.max_new_tokens,
+            context,
+            model_config.positions_source,
         )
 
 

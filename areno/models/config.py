@@ -740,6 +740,13 @@ class ModelConfig:
             d["original_max_position_embeddings"] = (self.rope_scaling or {}).get(
                 "original_max_position_embeddings", HF_CLASS_DEFAULTS["phi3"]["original_max_position_embeddings"]
             )
+            if d["rope_scaling"] is not None:  # transformers 4.x's Phi-3 takes {type, short_factor, long_factor}
+                rope = {
+                    k: v
+                    for k, v in d["rope_scaling"].items()
+                    if k not in ("rope_type", "original_max_position_embeddings")
+                }
+                d["rope_scaling"] = {"type": self.rope_scaling["rope_type"], **rope}
         if self.architecture == "SmolLM3ForCausalLM":
             d["no_rope_layers"] = [int(i not in self.nope_layers) for i in range(self.num_hidden_layers)]
             d["use_sliding_window"] = False
@@ -1022,8 +1029,8 @@ def _sliding_window(arch: str, d: dict[str, Any]) -> tuple[int | None, tuple[int
         window = d.get("sliding_window")
         if arch != "MistralForCausalLM" or types is None:  # transformers reads layer_types for Mistral only
             return window, None
-    elif arch in ("LlamaForCausalLM", "Olmo2ForCausalLM"):
-        return None, None  # transformers gives them no window
+    elif arch in ("LlamaForCausalLM", "Olmo2ForCausalLM", GLM4):
+        return None, None  # transformers gives them no window (and ignores the keys)
     elif arch == GPT_OSS:
         window = d.get("sliding_window")
         if types is None:  # GptOssConfig's default: every other layer slides, the first among them

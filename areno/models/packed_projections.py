@@ -122,3 +122,17 @@ def packed_target_modules(config: ModelConfig, target_modules: tuple[str, ...]) 
         for part, _ in parts
     }
     return list(dict.fromkeys(by_part.get(name, name) for name in target_modules))
+
+
+def unpacked_target_modules(config: ModelConfig, target_modules: tuple[str, ...]) -> list[str]:
+    """``target_modules`` with a packed layer's name (``gate_up_proj``, ``qkv_proj``: what transformers and peft
+    call them in a checkpoint's model) replaced by its parts' names (``gate_proj``, ``up_proj``), in order, each
+    once: the modules areno's decoder adapts."""
+    parts: dict[str, list[str]] = {}
+    for disk, members in packed_names(config).items():
+        leaf = disk.removesuffix(".weight").rsplit(".", 1)[-1]
+        parts.setdefault(leaf, [m.removesuffix(".weight").rsplit(".", 1)[-1] for m, _ in members])
+    out: list[str] = []
+    for name in target_modules:
+        out.extend(parts.get(name, [name]))
+    return list(dict.fromkeys(out))

@@ -227,9 +227,9 @@ class RolloutEngine:
         limit = model_config.max_seq_len
         if config.max_model_len and config.max_model_len > limit:
             raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds the model's {model_config.positions_source} "
-                f"(config.json), past which it computes no positions as transformers does: set "
-                f"rollout.max_model_len (areno serve: --max-model-len) to at most {limit}"
+                f"max_model_len={config.max_model_len} exceeds the model's {model_config.positions_source}, "
+                f"beyond which areno cannot compute it as transformers does: set rollout.max_model_len "
+                f"(areno serve: --max-model-len) to at most {limit}"
             )
         self.max_model_len = config.max_model_len or limit
         self.max_position = model_config.max_position_embeddings

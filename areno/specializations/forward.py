@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from areno.errors import DataError
 from areno.models import prefix_sharing
 from areno.models.attention import PackedCausalAttention
 from areno.models.logprobs import (
@@ -31,6 +32,7 @@ def hidden_states_TD(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
     (``models.prefix_sharing``) and returns the same [T, D] rows, expanded."""
     device = model.output_weight.device
     cu_host_B1 = batch.cu_seqlens_B1.cpu()  # bounds are read on the host (no GPU stall)
+    check_lengths(model.config, cu_host_B1)
     images = batch_images(batch)
     # the layers' windows and sinks (a wrapper's config is its decoder's)
     windows = dict(
@@ -52,6 +54,22 @@ def hidden_states_TD(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
     if images is not None:  # a vision-language batch: the vision tower runs inside this forward
         return model(ids_T, pos_T, attn, images=images)
     return model(ids_T, pos_T, attn)
+
+
+def check_lengths(config, cu_host_B1: torch.Tensor) -> None:
+    """A ``DataError`` for a sequence longer than the model computes as transformers does (its RoPE tables
+    end there; LongRoPE's long factors past its original context): before the forward, not an index error in
+    it nor log-probs of another model."""
+    limit = getattr(config, "max_seq_len", None)
+    if limit is None or cu_host_B1.numel() < 2:
+        return
+    longest = int((cu_host_B1[1:] - cu_host_B1[:-1]).max())
+    if longest > limit:
+        raise DataError(
+            f"a training sequence has {longest} tokens (prompt and completion), more than the model's "
+            f"{config.positions_source}: shorten or remove the data rows longer than {limit} tokens (SFT, "
+            "preference and reward-model files), or lower rollout.max_new_tokens"
+        )
 
 
 def batch_images(batch: TokenBatch) -> ImageInputs | None:

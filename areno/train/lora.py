@@ -18,6 +18,7 @@ Legend: R = adapter rank, D = input features, O = output features.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,7 +29,7 @@ from safetensors.torch import save_file
 from areno.errors import check_config
 from areno.models import vl_text
 from areno.models.config import ModelConfig
-from areno.models.packed_projections import pack_adapter, packed_target_modules
+from areno.models.packed_projections import pack_adapter, packed_target_modules, unpacked_target_modules
 from areno.train.config import UNADAPTABLE, LoraConfig
 
 ADAPTER = "default"
@@ -38,7 +39,11 @@ trained in full, which the adapter cannot carry."""
 
 
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
-    """Inject adapters into ``model`` in place; only adapter parameters stay trainable."""
+    """Inject adapters into ``model`` in place; only adapter parameters stay trainable. A packed layer's
+    name (Phi-3's ``qkv_proj``, GLM-4's ``gate_up_proj``) adapts its parts."""
+    config = getattr(model, "config", None)
+    if isinstance(config, ModelConfig):
+        cfg = dataclasses.replace(cfg, target_modules=tuple(unpacked_target_modules(config, cfg.target_modules)))
     names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     names.discard(UNADAPTABLE)  # refused by LoraConfig: its weight is read, the module never called
     unknown = [t for t in cfg.target_modules if t not in names]

@@ -109,3 +109,20 @@ def test_a_config_without_its_keys_takes_the_classs():
 def test_grpo_on_a_tiny_glm4_learns_the_reward(tmp_path):
     exported = grpo_learns_and_exports(tmp_path, "glm4")
     assert exported["partial_rotary_factor"] == 0.5
+
+
+def test_lora_takes_the_packed_names_transformers_gives_gate_up():
+    """``train.lora.target_modules=gate_up_proj`` (peft's and transformers' name on GLM-4) adapts its parts."""
+    from areno.models.decoder import Decoder
+    from areno.train.config import LoraConfig
+    from areno.train.lora import apply_lora, lora_layers
+
+    model = apply_lora(Decoder(tiny_config(61, arch="glm4")), LoraConfig(target_modules="gate_up_proj,q_proj"))
+    adapted = {name.rsplit(".", 1)[-1] for name in lora_layers(model)}
+    assert adapted == {"gate_proj", "up_proj", "q_proj"}
+
+
+def test_window_keys_transformers_ignores_are_ignored():
+    d = tiny_config(61, arch="glm4").to_hf()
+    for keys in ({"use_sliding_window": True, "sliding_window": 8}, {"layer_types": ["sliding_attention"] * 2}):
+        assert ModelConfig.from_hf({**d, **keys}).sliding_window is None

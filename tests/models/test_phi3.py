@@ -131,7 +131,11 @@ def test_partial_rotary_and_longrope_compute_transformers_logprobs_and_gradients
         with torch.no_grad():
             assert (packed_logprobs(other.eval(), ids_T, cu_B1, chunk_size=7)[0] - expected).abs().max() > 1e-3
     assert_export_reads_back(model, config, seqs, expected, tmp_path / "out")
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["partial_rotary_factor"] == 0.75
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["partial_rotary_factor"] == 0.75
+    # transformers 4.x's Phi-3 takes exactly these three keys (the original context at the top level)
+    assert set(exported["rope_scaling"]) == {"type", "short_factor", "long_factor"}
+    assert exported["original_max_position_embeddings"] == 32
     model.train()
     assert_gradients_match(
         model,
@@ -171,6 +175,15 @@ def test_the_rollout_engine_decodes_partial_rotary_and_longrope_within_its_posit
     ids_T = torch.randint(0, 61, (40,))
     with pytest.raises(ValueError, match="a packed sequence has 40 tokens, more than the model's LongRoPE's"):
         packed_logprobs(model, ids_T, torch.tensor([0, 40]))
+    # every training forward (sft, preference, reward-model data as well as rollouts) refuses it before running
+    from areno.errors import DataError
+    from areno.specializations.forward import hidden_states_TD
+    from tests.helpers.train import random_batch
+
+    with pytest.raises(
+        DataError, match="a training sequence has 40 tokens .* shorten or remove the data rows longer than 32"
+    ):
+        hidden_states_TD(model, random_batch([20, 40], 61, seed=0))
 
 
 def test_unsupported_rotary_settings_are_refused(tmp_path):
