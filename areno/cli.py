@@ -53,7 +53,11 @@ def _train(args: argparse.Namespace) -> int:
 
         config = check_pipeline(config)
         print(to_yaml(config), end="")
-        print(f"# model: {describe_model(run_model_config(config))}")
+        model = run_model_config(config)
+        print(f"# model: {describe_model(model)}")
+        context = config.rollout.max_model_len or model.max_seq_len
+        source = "rollout.max_model_len" if config.rollout.max_model_len else f"the model's {model.positions_source}"
+        print(f"# context: {context} tokens a sequence ({source})")
         warm = f" after {config.warm_start.steps} warm-start steps" if config.warm_start.steps > 0 else ""
         print(
             f"# areno train --check: config, data, reward and model check out: {config.train.steps} "

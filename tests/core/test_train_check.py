@@ -16,9 +16,10 @@ def test_a_check_prints_the_resolved_config_and_writes_nothing(tmp_path, capsys)
     resolved = yaml.safe_load(out)
     assert resolved["train"]["steps"] == 5 and resolved["train"]["epochs"] is None  # ceil(0.001 x 8,963 / 2)
     assert resolved["run_dir"] == str(tmp_path / "run")
-    *_, model, last = out.strip().splitlines()
+    *_, model, context, last = out.strip().splitlines()
     assert last.startswith("# areno train --check: config, data, reward and model check out: 5 grpo steps after 2 ")
     assert model.startswith("# model: Qwen2ForCausalLM, 0.") and model.endswith("M parameters")  # init_tiny's
+    assert context == "# context: 2048 tokens a sequence (the model's max_position_embeddings=2048)"
     assert not (tmp_path / "run").exists() and not (tmp_path / "model").exists()  # init_tiny's model not made
 
 

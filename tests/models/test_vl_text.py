@@ -545,5 +545,5 @@ def test_areno_train_check_names_the_text_model_it_trains(tmp_path, capsys):
     args = [a for a in train_args(tmp_path) if not a.startswith("model.init_tiny")]
     assert areno_main([args[0], "--check", *args[1:]]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[-2].startswith("# model: Qwen3ForCausalLM, ")
-    assert lines[-2].endswith("the text model of a Qwen3VLForConditionalGeneration (its vision tower is kept as it is)")
+    assert lines[-3].startswith("# model: Qwen3ForCausalLM, ")
+    assert lines[-3].endswith("the text model of a Qwen3VLForConditionalGeneration (its vision tower is kept as it is)")
