@@ -182,16 +182,15 @@ def apply_rope(
     less than Dh (a partial ``rotary_dim``) the first R dimensions turn and the rest pass as they are.
     ``interleaved``: pairs of adjacent dimensions turn (GLM-4), as rotate-half over them laid out evens first."""
     rotary = 2 * cos_TF.shape[-1]
-    if interleaved:
-        T, H = x_THD.shape[:2]
-        halves = x_THD[..., :rotary].unflatten(-1, (rotary // 2, 2)).transpose(-1, -2).reshape(T, H, rotary)
-        turned = apply_rope(halves, cos_TF, sin_TF).unflatten(-1, (2, rotary // 2)).transpose(-1, -2)
-        turned = turned.reshape(T, H, rotary)
+    if interleaved or rotary < x_THD.shape[-1]:
+        part = x_THD[..., :rotary]
+        if interleaved:  # evens first, then odds: rotate-half's pairs
+            part = part.unflatten(-1, (rotary // 2, 2)).transpose(-1, -2)
+        turned = apply_rope(part.reshape(*x_THD.shape[:-1], rotary), cos_TF, sin_TF)  # a contiguous copy
+        if interleaved:
+            turned = turned.unflatten(-1, (2, rotary // 2)).transpose(-1, -2).reshape(turned.shape)
         if rotary == x_THD.shape[-1]:
             return turned
-        return torch.cat((turned, x_THD[..., rotary:].to(turned.dtype)), dim=-1)
-    if rotary < x_THD.shape[-1]:
-        turned = apply_rope(x_THD[..., :rotary].contiguous(), cos_TF, sin_TF)
         return torch.cat((turned, x_THD[..., rotary:].to(turned.dtype)), dim=-1)
     if fused_ops.active(x_THD):
         return fused_ops.rope(x_THD, cos_TF, sin_TF)
