@@ -431,14 +431,9 @@ def check_prompt_settings_reach_the_workflow(config: ArenoConfig, factory: Any) 
 def check_context_length(config: ArenoConfig) -> None:
     """``rollout.max_model_len`` within the model's positions (the engine refuses it later, after loading)."""
     model_config = run_model_config(config)
-    limit = model_config.max_seq_len
-    if config.rollout.max_model_len and config.rollout.max_model_len > limit:
-        raise ConfigError(
-            f"rollout.max_model_len={config.rollout.max_model_len} exceeds the model's {model_config.positions_source} "
-            f"in {config.model.path}/config.json, beyond which areno cannot compute it as transformers does: set "
-            f"it to at most {limit}"
-        )
-    context = config.rollout.max_model_len or limit
+    where = f" in {config.model.path}/config.json"
+    model_config.check_context(config.rollout.max_model_len, "rollout.max_model_len", where=where)
+    context = config.rollout.max_model_len or model_config.max_seq_len
     if config.rollout.max_new_tokens >= context:
         logger.warning(
             "rollout.max_new_tokens=%d is not below the context of %d tokens (rollout.max_model_len, else the "

@@ -49,6 +49,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from areno.errors import ConfigError
 from areno.models import vl_text
 
 # architecture -> HF model_type
@@ -560,6 +561,15 @@ class ModelConfig:
             "pre_feedforward_layernorm",
             "post_feedforward_layernorm",
         )
+
+    def check_context(self, length: int | None, key: str, *, where: str = "", fix: str = "it") -> None:
+        """A one-line ``ConfigError`` where a context of ``length`` tokens (``key``; ``where``: the config.json it
+        was read from) runs past ``max_seq_len``; ``fix``: what to set to at most that."""
+        if length and length > self.max_seq_len:
+            raise ConfigError(
+                f"{key}={length} exceeds the model's {self.positions_source}{where}, beyond which areno cannot "
+                f"compute it as transformers does: set {fix} to at most {self.max_seq_len}"
+            )
 
     @property
     def rotary_dim(self) -> int:

@@ -175,7 +175,8 @@ def forward_add_norm(
     MLP's ``decode_partials`` serves (``decode_mlp``: its GEMMs summed in another order). The
     post-norm and sandwich layouts (``DecoderLayer.layout``) take ``forward_norm_add_norm``."""
     if layers[0].layout != "pre":
-        if not fused_ops.norms_fit_norm_add_norm([final_norm, *(n for layer in layers for n in _norms(layer))]):
+        # every layer is built from one config: the first's norms stand for all
+        if not fused_ops.norms_fit_norm_add_norm([final_norm, *_norms(layers[0])]):
             for layer in layers:  # GLM-4's sandwich norms scale in the model dtype: the kernel does not serve
                 x_TD = layer(x_TD, cos_TF, sin_TF, attn)
             return final_norm(x_TD)

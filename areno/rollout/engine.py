@@ -224,14 +224,10 @@ class RolloutEngine:
         self._fused = prepare_model(model, config, self.device)
         self._fp32_head = Fp32HeadCopy()  # config.fp32_logits on a device without a 16-bit product into fp32
         self.kv_dtype = _DTYPES[config.dtype] if config.dtype else param.dtype
-        limit = model_config.max_seq_len
-        if config.max_model_len and config.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds the model's {model_config.positions_source}, "
-                f"beyond which areno cannot compute it as transformers does: set rollout.max_model_len "
-                f"(areno serve: --max-model-len) to at most {limit}"
-            )
-        self.max_model_len = config.max_model_len or limit
+        model_config.check_context(
+            config.max_model_len, "max_model_len", fix="rollout.max_model_len (areno serve: --max-model-len)"
+        )
+        self.max_model_len = config.max_model_len or model_config.max_seq_len
         self.max_position = model_config.max_position_embeddings
         self.decode_steps = config.decode_steps or 8
         mixed_k = self.decode_steps - 1 if config.mixed_decode_min_rows is not None else 0

@@ -1428,12 +1428,7 @@ def build_engine(
     config = RolloutEngineConfig(**engine_kw)  # a bad setting fails before the weights load
     # a missing directory or config.json named as such, not as a tokenizer failure
     model_config = read_config(model_dir, key="MODEL_DIR")
-    if config.max_model_len and config.max_model_len > model_config.max_seq_len:
-        raise ConfigError(
-            f"--max-model-len={config.max_model_len} exceeds the model's {model_config.positions_source} in "
-            f"{model_dir}/config.json, beyond which areno cannot compute it as transformers does: set it to at most "
-            f"{model_config.max_seq_len}"
-        )
+    model_config.check_context(config.max_model_len, "--max-model-len", where=f" in {model_dir}/config.json")
     try:  # the tokenizer before the weights: a broken tokenizer file fails in a second, not after the load
         tokenizer = load_pretrained_tokenizer(model_dir)
     except (OSError, ValueError, TypeError) as exc:  # a corrupt or incomplete tokenizer file, as preflight's
