@@ -92,6 +92,53 @@ PHI3_MINI = {
     "torch_dtype": "bfloat16",
 }
 
+# Phi-4-mini-instruct's shape: 24 heads of 128 over 8 K/V heads, three quarters of each head turned by LongRoPE
+# (its short factors here a ramp: the weights are random, and the factors' values do not change the work), a
+# 200k vocabulary tied to the embeddings
+PHI4_MINI = {
+    **PHI3_MINI,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 8,
+    "vocab_size": 200064,
+    "max_position_embeddings": 131072,
+    "original_max_position_embeddings": 4096,
+    "partial_rotary_factor": 0.75,
+    "rope_scaling": {
+        "type": "longrope",
+        "short_factor": [1.0 + 0.02 * i for i in range(48)],
+        "long_factor": [1.0 + 0.5 * i for i in range(48)],
+    },
+    "sliding_window": 262144,
+    "tie_word_embeddings": True,
+    "bos_token_id": 199999,
+    "eos_token_id": 199999,
+    "pad_token_id": 199999,
+}
+
+# GLM-4-9B-0414's shape: 32 heads of 128 over 2 K/V heads, half of each head turned (adjacent pairs), q/k/v biases,
+# a norm before and after each block, gate/up packed on disk; 9.4B parameters
+GLM4_9B = {
+    "architectures": ["Glm4ForCausalLM"],
+    "model_type": "glm4",
+    "hidden_size": 4096,
+    "intermediate_size": 13696,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "partial_rotary_factor": 0.5,
+    "vocab_size": 151552,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "attention_bias": True,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "eos_token_id": 151329,
+    "pad_token_id": 151329,
+    "torch_dtype": "bfloat16",
+}
+
 # gpt-oss-20b's shape (its config.json less the MXFP4 quantization: bf16 experts): 24 layers of width 2,880, 32
 # experts of width 2,880 a layer (top 4), sinks, a 128-token window in every other layer; 20.9B parameters
 GPT_OSS_20B = {

@@ -64,9 +64,11 @@ from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.types import SamplingParams
 from bench._common import (
     GEMMA3_1B,
+    GLM4_9B,
     GPT_OSS_20B,
     OLMO2_1B,
     PHI3_MINI,
+    PHI4_MINI,
     QWEN25_05B,
     QWEN25_15B,
     emit,
@@ -128,6 +130,8 @@ SHAPES = {
     "qwen1.5b": (QWEN25_15B, 64, 512),
     "olmo2-1b": (OLMO2_1B, 64, 512),
     "phi3-mini": (PHI3_MINI, 64, 512),
+    "phi4-mini": (PHI4_MINI, 64, 512),
+    "glm4-9b": (GLM4_9B, 64, 512),
     "gemma3-1b": (GEMMA3_1B, 64, 512),
     "gpt-oss-20b": (GPT_OSS_20B, 64, 512),
     "cpu-gpt-oss": (CPU_GPT_OSS, 32, 128),
