@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from areno.models.config import ModelConfig
+from areno.models.eager_ops import soft_cap
 from areno.types import sequence_index_T
 
 
@@ -33,7 +34,9 @@ class AttentionBackend(Protocol):
     the backend); the rollout engine's ``PagedAttention`` has one.
 
     Layers with attention sinks (gpt-oss) pass ``sinks_H=`` [Hq], a logit per query head that joins each
-    softmax's denominator (``sink_attention``); only the layers of such models pass it.
+    softmax's denominator (``explicit_attention``); layers with soft-capped scores (Gemma 2) pass ``softcap=``,
+    a float: each scaled score s becomes ``softcap * tanh(s / softcap)`` before the mask and softmax. Only the
+    layers of such models pass them, so a backend that takes neither fails loudly, never computes without.
     """
 
     def __call__(
@@ -54,25 +57,29 @@ class HeadNorms:
     scale_in_float32: bool = False
 
 
-def sink_attention(
+def explicit_attention(
     q_QHD: torch.Tensor,
     k_KHD: torch.Tensor,
     v_KHD: torch.Tensor,
-    sinks_H: torch.Tensor,
+    sinks_H: torch.Tensor | None = None,
     window: int | None = None,
+    *,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of Q queries, the last Q of K key positions, with a learned logit per query head
-    that joins each softmax's denominator and has no value (gpt-oss's sinks: transformers' eager
-    attention with the sink as one more column, dropped after the softmax). Explicit scores in float32,
-    over query blocks of at most ``SINK_SCORES_MAX`` entries; the result in q's dtype. ``window``: a query
-    sees the last ``window`` keys up to itself."""
+    """Causal attention of Q queries, the last Q of K key positions, from explicit float32 scores: the form of
+    the score terms SDPA has not. ``sinks_H``: a learned logit per query head that joins each softmax's
+    denominator and has no value (gpt-oss's sinks: transformers' eager attention with the sink as one more
+    column, dropped after the softmax); ``softcap``: each scaled score s becomes ``softcap * tanh(s / softcap)``
+    before the mask (Gemma 2's, as transformers' eager attention). Over query blocks of at most
+    ``SINK_SCORES_MAX`` entries; the result in q's dtype. ``window``: a query sees the last ``window`` keys up to
+    itself."""
     Q, H, D = q_QHD.shape
     K, G = k_KHD.shape[0], H // k_KHD.shape[1]
     k_HKD = k_KHD.transpose(0, 1).float().repeat_interleave(G, 0)
     v_HKD = v_KHD.transpose(0, 1).float().repeat_interleave(G, 0)
     qpos_Q = torch.arange(K - Q, K, device=q_QHD.device)
     kpos_K = torch.arange(K, device=q_QHD.device)
-    sink_H11 = sinks_H.float()[:, None, None]
+    sink_H11 = None if sinks_H is None else sinks_H.float()[:, None, None]
     step = max(1, SINK_SCORES_MAX // max(1, H * K))
     outs = []
     for s in range(0, Q, step):
@@ -80,23 +87,39 @@ def sink_attention(
         keep_qK = kpos_K[None, :] <= qpos_Q[s : s + step, None]
         if window is not None:
             keep_qK &= kpos_K[None, :] > qpos_Q[s : s + step, None] - window
-        scores_HqK = torch.matmul(q_HqD, k_HKD.transpose(1, 2)).mul_(D**-0.5).masked_fill(~keep_qK, float("-inf"))
+        scores_HqK = soft_cap(torch.matmul(q_HqD, k_HKD.transpose(1, 2)).mul_(D**-0.5), softcap)
+        scores_HqK = scores_HqK.masked_fill(~keep_qK, float("-inf"))
         outs.append(torch.matmul(sink_softmax(scores_HqK, sink_H11), v_HKD).transpose(0, 1))
     return (torch.cat(outs) if len(outs) > 1 else outs[0]).to(q_QHD.dtype)
 
 
-def sink_softmax(scores_XL: torch.Tensor, sink_X1: torch.Tensor) -> torch.Tensor:
+def sink_softmax(scores_XL: torch.Tensor, sink_X1: torch.Tensor | None) -> torch.Tensor:
     """float32 softmax over the keys with the sink logit as one more, value-less column (dropped):
     transformers' eager gpt-oss attention. Masked keys (-inf) weigh 0; the sink keeps every row's
-    denominator positive. ``sink_X1`` broadcasts against ``scores_XL`` with 1 key."""
+    denominator positive. ``sink_X1`` broadcasts against ``scores_XL`` with 1 key; None: the plain float32
+    softmax (a row needs one unmasked key)."""
     s_XL = scores_XL.float()
+    if sink_X1 is None:
+        return torch.softmax(s_XL, dim=-1)
     m_X1 = torch.maximum(s_XL.amax(dim=-1, keepdim=True), sink_X1.float())
     p_XL = (s_XL - m_X1).exp()
     return p_XL / (p_XL.sum(dim=-1, keepdim=True) + (sink_X1 - m_X1).exp())
 
 
 SINK_SCORES_MAX = 1 << 24
-"""Score entries (heads x queries x keys) ``sink_attention`` computes at once (64 MB in float32)."""
+"""Score entries (heads x queries x keys) ``explicit_attention`` computes at once (64 MB in float32)."""
+
+
+@functools.cache
+def softcap_score_mod(softcap: float):
+    """FlexAttention's ``score_mod`` of Gemma 2's soft-capping (flex passes it the scaled score): its
+    backward takes the tanh's derivative through the compiled kernel. One function per cap, so that the
+    compiled flex sees the same object at every call (a new closure would fail its guards and recompile)."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / softcap) * softcap
+
+    return score_mod
 
 
 def apply_sinks(out_BHTD: torch.Tensor, lse_BHT: torch.Tensor, sinks_H: torch.Tensor) -> torch.Tensor:
@@ -137,23 +160,26 @@ class PackedCausalAttention:
     ``prepare`` builds the mask (or boundaries, or padded layout) once; ``Decoder.forward`` calls it before the
     layers, so compiled layers only read it (no host sync or mask construction inside them).
 
-    With ``sinks`` (gpt-oss) ``auto`` is flex on CUDA (its log-sum-exp rescaled by ``apply_sinks``) and
-    sdpa elsewhere, whose per-sequence calls are then ``sink_attention``; the other impls are refused.
+    With ``sinks`` (gpt-oss) or ``softcap`` (Gemma 2's soft-capped scores) ``auto`` is flex on CUDA (sinks:
+    its log-sum-exp rescaled by ``apply_sinks``; the cap: a ``score_mod``) and sdpa elsewhere, whose
+    per-sequence calls are then ``explicit_attention``; the other impls, which have neither, are refused.
     """
 
     IMPLS = ("auto", "sdpa", "sdpa_mask", "sdpa_padded", "flex", "varlen")
 
     SINK_IMPLS = ("auto", "sdpa", "flex")
+    """The impls that take sinks and soft-capped scores."""
 
     @classmethod
     def for_model(cls, cu_seqlens_B1: torch.Tensor, config: ModelConfig, impl: str = "auto") -> PackedCausalAttention:
-        """The attention of ``config``'s layers: its window, in the layers that take it; its sinks."""
+        """The attention of ``config``'s layers: its window, in the layers that take it; its sinks and soft-cap."""
         return cls(
             cu_seqlens_B1,
             sliding_window=config.sliding_window,
             impl=impl,
             window_layers=config.window_layers,
             sinks=config.attention_sinks,
+            softcap=config.attn_logit_softcapping,
         )
 
     def __init__(
@@ -164,20 +190,25 @@ class PackedCausalAttention:
         impl: str = "auto",
         window_layers: tuple[int, ...] | None = None,
         sinks: bool = False,
+        softcap: float | None = None,
     ) -> None:
         if impl not in self.IMPLS:
             raise ValueError(f"PackedCausalAttention impl must be one of {self.IMPLS}, got {impl!r}")
-        if sinks and impl not in self.SINK_IMPLS:
+        if (sinks or softcap is not None) and impl not in self.SINK_IMPLS:
             raise ValueError(
-                f"attention with sinks (gpt-oss) runs as one of {self.SINK_IMPLS}, not impl={impl!r}: use auto"
+                f"attention with {score_terms_name(sinks, softcap)} runs as one of {self.SINK_IMPLS}, not "
+                f"impl={impl!r}: use auto"
             )
         self.cu_seqlens_B1 = cu_seqlens_B1
         self.sliding_window = sliding_window
         self.sinks = sinks
+        self.softcap = softcap
         self.window_layers = window_layers if sliding_window is not None else None
         # where only some layers slide, the others attend through a window-less twin (its own mask or layout)
         self._full = (
-            None if self.window_layers is None else PackedCausalAttention(cu_seqlens_B1, impl=impl, sinks=sinks)
+            None
+            if self.window_layers is None
+            else PackedCausalAttention(cu_seqlens_B1, impl=impl, sinks=sinks, softcap=softcap)
         )
         self.impl = impl
         self._prepared_for: tuple | None = None
@@ -212,17 +243,19 @@ class PackedCausalAttention:
         if self._prepared_for == (num_tokens, device, small_heads, flash_ok, self._cuda_impl):
             return
         impl, layout = self.impl, None
-        if self.sinks and self._cuda_impl not in ("auto", "flex"):
+        scored = self.sinks or self.softcap is not None
+        if scored and self._cuda_impl not in ("auto", "flex"):
+            what = score_terms_name(self.sinks, self.softcap)
             raise ValueError(
-                f"train.attention={self._cuda_impl}: attention with sinks (gpt-oss) runs as flex on CUDA (flash's "
-                "varlen kernel has no sinks); set train.attention=auto"
+                f"train.attention={self._cuda_impl}: attention with {what} runs as flex on CUDA (flash's varlen "
+                "kernel has neither sinks nor a soft-cap); set train.attention=auto"
             )
-        if self.sinks and impl == "auto":  # the impls that take a sink: flex's log-sum-exp, or explicit scores
+        if scored and impl == "auto":  # the impls that take them: flex (log-sum-exp, score_mod) or explicit scores
             impl = "flex" if device.type == "cuda" and not small_heads else "sdpa"
-        if self.sinks and impl == "flex" and (device.type != "cuda" or small_heads):
+        if scored and impl == "flex" and (device.type != "cuda" or small_heads):
             raise ValueError(
-                "attention with sinks as flex runs on CUDA with head dims of at least "
-                f"{FLEX_MIN_HEAD_DIM} (its backward); use impl auto here"
+                f"attention with {score_terms_name(self.sinks, self.softcap)} as flex runs on CUDA with head dims "
+                f"of at least {FLEX_MIN_HEAD_DIM} (its backward); use impl auto here"
             )
         if impl == "auto":
             if device.type == "cuda":
@@ -303,8 +336,9 @@ class PackedCausalAttention:
         for s, e in zip(bounds[:-1], bounds[1:]):
             if e == s:
                 continue
-            if sinks_H is not None:
-                outs.append(sink_attention(q_THD[s:e], k_THD[s:e], v_THD[s:e], sinks_H, self.sliding_window))
+            if sinks_H is not None or self.softcap is not None:
+                window, cap = self.sliding_window, self.softcap
+                outs.append(explicit_attention(q_THD[s:e], k_THD[s:e], v_THD[s:e], sinks_H, window, softcap=cap))
                 continue
             q, k, v = (x[s:e].transpose(0, 1) for x in (q_THD, k_THD, v_THD))  # [H, n, Dh]
             if self.sliding_window is not None and e - s > self.sliding_window:
@@ -335,11 +369,11 @@ class PackedCausalAttention:
         k_THD: torch.Tensor,
         v_THD: torch.Tensor,
         sinks_H: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if self._full is not None and layer_idx not in self.window_layers:
-            return self._full(layer_idx, q_THD, k_THD, v_THD, sinks_H)
-        if (sinks_H is not None) != self.sinks:
-            raise ValueError(f"attention built with sinks={self.sinks} called with sinks_H={sinks_H is not None}")
+            return self._full(layer_idx, q_THD, k_THD, v_THD, sinks_H, softcap)
+        check_score_terms(self.sinks, self.softcap, sinks_H, softcap)
         self.prepare(q_THD.shape[0], q_THD.device, q_THD.shape[-1], q_THD.dtype, query_heads=q_THD.shape[1])
         impl = self._impl
         if impl == "sdpa":
@@ -357,18 +391,37 @@ class PackedCausalAttention:
             small = q.shape[-2] < FLEX_DECODING_MIN_QUERIES and q.shape[-1] < 64
             options = {"FORCE_USE_FLEX_ATTENTION": True} if small else None
             flex = _compiled_flex_attention()
+            mod = {} if self.softcap is None else {"score_mod": softcap_score_mod(self.softcap)}
             if sinks_H is not None:
                 out, lse = flex(
-                    q, k, v, block_mask=self._state, enable_gqa=True, kernel_options=options, return_lse=True
+                    q, k, v, block_mask=self._state, enable_gqa=True, kernel_options=options, return_lse=True, **mod
                 )
                 return apply_sinks(out, lse, sinks_H).squeeze(0).transpose(0, 1)
-            out = flex(q, k, v, block_mask=self._state, enable_gqa=True, kernel_options=options)
+            out = flex(q, k, v, block_mask=self._state, enable_gqa=True, kernel_options=options, **mod)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._state, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
 
 
 _FLEX = None
+
+
+def score_terms_name(sinks: bool, softcap: float | None) -> str:
+    """The score terms a backend was built with, for its errors: ``sinks (gpt-oss)``, ``soft-capped scores
+    (Gemma 2)`` or both."""
+    names = [n for n, on in (("sinks (gpt-oss)", sinks), ("soft-capped scores (Gemma 2)", softcap is not None)) if on]
+    return " and ".join(names)
+
+
+def check_score_terms(
+    sinks: bool, softcap: float | None, sinks_H: torch.Tensor | None, called_cap: float | None
+) -> None:
+    """A backend built for ``sinks`` / ``softcap`` is called with the same: one built from another model's
+    config would attend without them (or with another cap)."""
+    if (sinks_H is not None) != sinks:
+        raise ValueError(f"attention built with sinks={sinks} called with sinks_H={sinks_H is not None}")
+    if called_cap != softcap:
+        raise ValueError(f"attention built with softcap={softcap} called with softcap={called_cap}")
 
 
 CPU_SLICE_BYTES = 1 << 20

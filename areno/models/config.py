@@ -27,6 +27,9 @@ Supported architectures (``architectures[0]`` in ``config.json``) and what sets 
   whose weights are offsets from 1 (``norm_weight_offset``), Qwen3's q/k norms, embeddings scaled by
   sqrt(hidden_size), the tanh GELU, ``query_pre_attn_scalar``, windows in five layers of six with their
   own RoPE base; logit soft-capping and bidirectional attention are refused.
+- ``Gemma2ForCausalLM``  (Gemma 2) Gemma 3's layers without q/k norms, a window in every other layer and one
+  RoPE for all; attention scores and final logits soft-capped (``attn_logit_softcapping``,
+  ``final_logit_softcapping``: ``cap * tanh(x / cap)``).
 - ``GptOssForCausalLM``  (gpt-oss) q/k/v/o bias, a learned sink logit per query head in every softmax
   (``attention_sinks``), a 128-token window in every other layer, YaRN; an expert block in every layer
   whose router and experts have biases (``expert_bias``) and whose SwiGLU is clamped
@@ -65,6 +68,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma2ForCausalLM": "gemma2",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
     "GptOssForCausalLM": "gpt_oss",
@@ -94,6 +98,7 @@ LAYER_TYPE_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "Olmo3ForCausalLM",
     "Gemma3ForCausalLM",
+    "Gemma2ForCausalLM",
     GPT_OSS,
 )
 """The layouts whose transformers class reads a window per layer (``layer_types``, or Qwen's
@@ -101,6 +106,10 @@ LAYER_TYPE_ARCHITECTURES = (
 OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 """OLMo 2's layout (q/k norms over the projections, norms after each block); OLMo 3 adds windows."""
 GEMMA3 = "Gemma3ForCausalLM"
+GEMMA2 = "Gemma2ForCausalLM"
+GEMMA_ARCHITECTURES = (GEMMA2, GEMMA3)
+"""Gemma's layout: norms around each block with weights stored as offsets from 1, embeddings scaled by
+sqrt(hidden_size), the tanh GELU, ``query_pre_attn_scalar``."""
 MINISTRAL3 = "Ministral3ForCausalLM"
 ROPE_PER_TYPE_ARCHITECTURES = ("Olmo3ForCausalLM", GEMMA3)
 """The layouts whose transformers class turns the window layers by their own RoPE (``rope_parameters``
@@ -244,6 +253,12 @@ class ModelConfig:
     ``silu(gate) * up``."""
     swiglu_alpha: float = 1.0
     """The gate's sigmoid scale of the clamped SwiGLU (gpt-oss: 1.702)."""
+    attn_logit_softcapping: float | None = None
+    """Gemma 2's attention soft-cap: every scaled attention score s becomes ``cap * tanh(s / cap)`` before
+    the mask and softmax (50 in its released models); None: scores as they are."""
+    final_logit_softcapping: float | None = None
+    """Gemma 2's final soft-cap: every logit z of the LM head becomes ``cap * tanh(z / cap)`` (30 in its
+    released models), computed in float32 from the head's product; None: logits as they are."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -280,6 +295,7 @@ class ModelConfig:
         self._check_arch_flags()
         self._check_moe()
         self._check_gpt_oss()
+        self._check_softcaps()
         if self.rope_scaling is not None:
             object.__setattr__(self, "rope_scaling", _normalized_scaling(self.rope_scaling))
         self._check_rotary()
@@ -313,18 +329,22 @@ class ModelConfig:
             raise ValueError(
                 f"qk_norm={self.qk_norm} is impossible for {arch} (only Qwen3, OLMo and Gemma 3 have q/k norms)"
             )
-        gemma = (1.0, "gelu_pytorch_tanh", True) if arch == GEMMA3 else (0.0, "silu", False)
+        gemma = (1.0, "gelu_pytorch_tanh", True) if arch in GEMMA_ARCHITECTURES else (0.0, "silu", False)
         if (self.norm_weight_offset, self.hidden_act, self.scale_embeddings) != gemma:
             raise ValueError(
                 f"{arch} has norm_weight_offset={gemma[0]}, hidden_act={gemma[1]!r} and scale_embeddings={gemma[2]}, "
                 f"not {self.norm_weight_offset}, {self.hidden_act!r} and {self.scale_embeddings}"
             )
-        if self.query_pre_attn_scalar is not None and (arch != GEMMA3 or self.query_pre_attn_scalar <= 0):
+        if self.query_pre_attn_scalar is not None and (
+            arch not in GEMMA_ARCHITECTURES or self.query_pre_attn_scalar <= 0
+        ):
             raise ValueError(
-                f"query_pre_attn_scalar={self.query_pre_attn_scalar} is only expressible (> 0) for {GEMMA3}"
+                f"query_pre_attn_scalar={self.query_pre_attn_scalar} is only expressible (> 0) for "
+                f"{' and '.join(GEMMA_ARCHITECTURES)}"
             )
         layouts = {
             **dict.fromkeys(OLMO_ARCHITECTURES, ("projection", "post")),
+            GEMMA2: ("head", "sandwich"),
             GEMMA3: ("head", "sandwich"),
             GLM4: ("head", "sandwich"),
         }
@@ -348,7 +368,7 @@ class ModelConfig:
                 "Qwen3MoeForCausalLM",
                 *OLMO_ARCHITECTURES,
                 "SmolLM3ForCausalLM",
-                GEMMA3,
+                *GEMMA_ARCHITECTURES,
                 GPT_OSS,
             )
             and self.attention_bias != self.attention_out_bias
@@ -511,6 +531,21 @@ class ModelConfig:
                 f"not {ours} for {self.architecture}"
             )
 
+    def _check_softcaps(self) -> None:
+        """The soft-caps are Gemma 2's (transformers' Gemma 3 reads them too, but its vision-language class skips
+        the final one, and no released Gemma 3 sets them: areno refuses them there), positive floats."""
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            cap = getattr(self, name)
+            if cap is None:
+                continue
+            if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive float or None, got {cap!r}")
+            object.__setattr__(self, name, float(cap))
+            if self.architecture != GEMMA2:
+                raise ValueError(
+                    f"{name}={cap} is only expressible for {GEMMA2} (Gemma 2's soft-capping), not {self.architecture}"
+                )
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` holds a sparse expert block (transformers' rule)."""
         return (
@@ -645,6 +680,8 @@ class ModelConfig:
             d = _with_hf_defaults(expected_type, d)
         if arch == GEMMA3:
             _check_gemma3(d)
+        elif arch == GEMMA2:
+            _check_gemma2(d)
         else:
             act = d.get("hidden_act", "silu")
             if act not in ("silu", "swish"):  # transformers' swish is SiLU
@@ -688,8 +725,12 @@ class ModelConfig:
             nope_layers=_nope_layers(arch, d),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *OLMO_ARCHITECTURES, GEMMA3),
             qk_norm_scope="projection" if arch in OLMO_ARCHITECTURES else "head",
-            norm_layout="post" if arch in OLMO_ARCHITECTURES else "sandwich" if arch in (GEMMA3, GLM4) else "pre",
-            **(_gemma3_fields(d) if arch == GEMMA3 else {}),
+            norm_layout="post"
+            if arch in OLMO_ARCHITECTURES
+            else "sandwich"
+            if arch in (*GEMMA_ARCHITECTURES, GLM4)
+            else "pre",
+            **(_gemma_fields(arch, d) if arch in GEMMA_ARCHITECTURES else {}),
             sliding_window=sliding_window,
             window_layers=window_layers,
             window_rope=window_rope,
@@ -737,7 +778,7 @@ class ModelConfig:
             "Qwen3MoeForCausalLM",
             *OLMO_ARCHITECTURES,
             "SmolLM3ForCausalLM",
-            GEMMA3,
+            *GEMMA_ARCHITECTURES,
             GPT_OSS,
             GLM4,
         ):
@@ -767,10 +808,10 @@ class ModelConfig:
             if self.architecture != "Qwen3MoeForCausalLM":
                 # every layer from the first windowed one slides, as transformers reads it; layer_types says so too
                 d["max_window_layers"] = min(self.window_layers or (0,)) if self.sliding_window else 0
-        if self.architecture in (*WINDOWED_ARCHITECTURES, *ROPE_PER_TYPE_ARCHITECTURES, GPT_OSS):
+        if self.architecture in (*WINDOWED_ARCHITECTURES, *ROPE_PER_TYPE_ARCHITECTURES, GPT_OSS, GEMMA2):
             d["sliding_window"] = self.sliding_window
         if self.architecture in LAYER_TYPE_ARCHITECTURES and (
-            self.window_layers or self.architecture in ROPE_PER_TYPE_ARCHITECTURES
+            self.window_layers or self.architecture in (*ROPE_PER_TYPE_ARCHITECTURES, GEMMA2)
         ):
             d["layer_types"] = [
                 "full_attention" if self.layer_window(i) is None else "sliding_attention"
@@ -791,6 +832,15 @@ class ModelConfig:
                 attn_logit_softcapping=None,
                 use_bidirectional_attention=False,
                 rope_local_base_freq=(self.window_rope_config() or self).rope_theta,
+            )
+        if self.architecture == GEMMA2:  # its class defaults the caps to 50 and 30: written even when None
+            d.pop("hidden_act")
+            d.update(
+                hidden_activation=self.hidden_act,
+                query_pre_attn_scalar=_int_if_whole(self.query_pre_attn_scalar),
+                final_logit_softcapping=self.final_logit_softcapping,
+                attn_logit_softcapping=self.attn_logit_softcapping,
+                use_bidirectional_attention=False,
             )
         if self.architecture == "Qwen3MoeForCausalLM":
             d.update(
@@ -847,9 +897,7 @@ def _rope_per_type(config: ModelConfig) -> dict[str, Any]:
     return {"rope_parameters": {"full_attention": params(config), "sliding_attention": params(window)}}
 
 
-_ARCH_HINTS = {
-    "Gemma2ForCausalLM": " (Gemma 2's logit soft-capping is not computed)",
-}
+_ARCH_HINTS: dict[str, str] = {}
 
 
 def _refuse_quantized(d: dict[str, Any]) -> None:
@@ -964,6 +1012,12 @@ HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
                     "num_key_value_heads": 4, "max_position_embeddings": 131072, "attention_bias": False,
                     "sliding_window": 4096, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
                     "rope_theta": 1e6},
+    "gemma2": {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "bos_token_id": 2,
+               "eos_token_id": 1, "pad_token_id": 0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+               "initializer_range": 0.02, "max_position_embeddings": 8192, "attention_bias": False,
+               "sliding_window": 4096, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+               "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "rope_theta": 1e4},
     "qwen3_vl_text": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
                       "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "hidden_act": "silu",
                       "max_position_embeddings": 128000, "initializer_range": 0.02, "rms_norm_eps": 1e-6,
@@ -1041,9 +1095,9 @@ def _sliding_window(arch: str, d: dict[str, Any]) -> tuple[int | None, tuple[int
             return window, None
     elif arch in ("LlamaForCausalLM", "Olmo2ForCausalLM", GLM4):
         return None, None  # transformers gives them no window (and ignores the keys)
-    elif arch == GPT_OSS:
+    elif arch in (GPT_OSS, GEMMA2):
         window = d.get("sliding_window")
-        if types is None:  # GptOssConfig's default: every other layer slides, the first among them
+        if types is None:  # their config classes' default: every other layer slides, the first among them
             types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
     elif arch in ROPE_PER_TYPE_ARCHITECTURES:
         window = d.get("sliding_window")
@@ -1199,14 +1253,30 @@ def _check_gemma3(d: dict[str, Any]) -> None:
         raise ValueError("config.json use_bidirectional_attention=true (an encoder) is not supported: areno is causal")
 
 
-def _gemma3_fields(d: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3's ModelConfig fields beside the shared ones."""
-    return dict(
+def _check_gemma2(d: dict[str, Any]) -> None:
+    """What Gemma 2's config.json may set that areno does not compute, refused by name."""
+    act = d.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"config.json hidden_activation={act!r} is not supported for Gemma 2 (gelu_pytorch_tanh)")
+    if d.get("use_bidirectional_attention"):
+        raise ValueError("config.json use_bidirectional_attention=true (an encoder) is not supported: areno is causal")
+
+
+def _gemma_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's and Gemma 3's ModelConfig fields beside the shared ones (Gemma 2's soft-caps: its class's
+    defaults, 50 and 30, where the file leaves them out)."""
+    fields: dict[str, Any] = dict(
         norm_weight_offset=1.0,
         hidden_act="gelu_pytorch_tanh",
         scale_embeddings=True,
         query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
     )
+    if arch == GEMMA2:
+        fields.update(
+            attn_logit_softcapping=d.get("attn_logit_softcapping"),
+            final_logit_softcapping=d.get("final_logit_softcapping"),
+        )
+    return fields
 
 
 def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -42,6 +42,7 @@ from areno.models.eager_ops import (
     eager_rms_norm_fp32_scale,
     eager_rms_norm_offset,
     eager_rope,
+    soft_cap,
 )
 from areno.models.prefix_sharing import SharedPrefixAttention
 from areno.models.tp_plan import TPReduce, check_tp_size
@@ -271,7 +272,9 @@ class Attention(nn.Module):
         self.qkv: fused_linear.FusedRows | None = None
         """Set by ``Decoder.fuse_projections``: q/k/v weights as row slices of one tensor."""
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
-        """gpt-oss: a logit per query head in every softmax's denominator (``attention.sink_attention``)."""
+        """gpt-oss: a logit per query head in every softmax's denominator (``attention.explicit_attention``)."""
+        self.softcap = config.attn_logit_softcapping
+        """Gemma 2: every score capped to ``cap * tanh(s / cap)`` before the softmax, passed to the backend."""
 
     def forward(
         self, x_TD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor, attn: AttentionBackend
@@ -321,11 +324,18 @@ class Attention(nn.Module):
                 k_THD = apply_rope(k_THD, cos_TF, sin_TF, interleaved=self.rope_interleaved)
         if self.q_scale != 1.0:
             q_THD = q_THD * self.q_scale
-        if self.sinks is not None:
-            out_THD = attn(self.layer_idx, *_in_autocast_dtype(q_THD, k_THD, v_THD), sinks_H=self.sinks)
-        else:
-            out_THD = attn(self.layer_idx, *_in_autocast_dtype(q_THD, k_THD, v_THD))
+        out_THD = attn(self.layer_idx, *_in_autocast_dtype(q_THD, k_THD, v_THD), **self.score_terms())
         return inference.rowwise(self.o_proj, out_THD.reshape(T, -1), self.tp_reduce)
+
+    def score_terms(self) -> dict:
+        """What this layer's attention scores take beyond q k^T, as the backends' keyword arguments: gpt-oss's
+        ``sinks_H``, Gemma 2's ``softcap`` (only those a model has, so a backend without them serves the rest)."""
+        terms: dict = {}
+        if self.sinks is not None:
+            terms["sinks_H"] = self.sinks
+        if self.softcap is not None:
+            terms["softcap"] = self.softcap
+        return terms
 
     def _attend_rotary(
         self,
@@ -347,11 +357,11 @@ class Attention(nn.Module):
             return None
         if 2 * cos_TF.shape[-1] != self.head_dim or self.rope_interleaved:  # the fused kernels turn whole heads
             return None
-        sinks = {} if self.sinks is None else {"sinks_H": self.sinks}
+        terms = self.score_terms()
         if not hasattr(self, "q_norm"):
-            return rotary(self.layer_idx, qkv_TN, hq, hk, cos_TF, sin_TF, **sinks)
+            return rotary(self.layer_idx, qkv_TN, hq, hk, cos_TF, sin_TF, **terms)
         if self.qk_norm_heads:
-            return rotary(self.layer_idx, qkv_TN, hq, hk, cos_TF, sin_TF, qk_norm=self.head_norms(), **sinks)
+            return rotary(self.layer_idx, qkv_TN, hq, hk, cos_TF, sin_TF, qk_norm=self.head_norms(), **terms)
         return None
 
     def head_norms(self) -> HeadNorms:
@@ -646,5 +656,7 @@ class Decoder(nn.Module):
         return self.model.norm(x_TD)
 
     def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
-        """[T, V] logits in the model dtype (use ``logprobs.py`` for chunked fp32 log-probs)."""
-        return cpu_gemm.linear(hidden_TD, self.output_weight, None, self.__dict__.get("cpu_pack"))
+        """[T, V] logits in the model dtype, or soft-capped in float32 where the model caps them (Gemma 2's
+        ``final_logit_softcapping``); use ``logprobs.py`` for chunked fp32 log-probs."""
+        logits_TV = cpu_gemm.linear(hidden_TD, self.output_weight, None, self.__dict__.get("cpu_pack"))
+        return soft_cap(logits_TV, self.config.final_logit_softcapping)

@@ -16,6 +16,14 @@ def eager_glu(gate: torch.Tensor, up: torch.Tensor, *, gelu: bool = False) -> to
     return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
 
 
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(x / cap)`` in float32 (Gemma 2's soft-capping of attention scores and final logits; x itself
+    where ``cap`` is None). transformers caps in the model dtype; float32 keeps every path's values alike."""
+    if cap is None:
+        return x
+    return torch.tanh(x.float() / cap) * cap
+
+
 def eager_rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE (HF convention: first half pairs with second half). cos/sin: [T, Dh/2]."""
     half = x_THD.shape[-1] // 2

@@ -45,6 +45,7 @@ _TINY_ARCHS = {
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
@@ -567,7 +568,8 @@ def tiny_config(
     """A small ``ModelConfig`` of the given family for tests and demos.
 
     ``arch``: llama, qwen2, qwen3, mistral, olmo2, olmo3 or gemma3 (a 16-token window in every layer but the
-    last; gemma3's turning at base 1,000 there), phi3, glm4 (half of each head turned, by adjacent pairs),
+    last; gemma3's turning at base 1,000 there), gemma2 (a 16-token window in every other layer from the first,
+    attention scores soft-capped at 5 and logits at 5, so that the caps act on a tiny model), phi3, glm4 (half of each head turned, by adjacent pairs),
     ministral3 (queries scaled by position every 8 positions), smollm3 (no RoPE in layers 3, 7, ...), qwen3_moe,
     mixtral (4 experts, top-2, each half the dense MLP's width) or gpt_oss (those experts with biases and the
     clamped SwiGLU, attention biases and sinks, a 16-token window in every other layer from the first). ``kw`` overrides any other ModelConfig field
@@ -594,7 +596,11 @@ def tiny_config(
         attention_out_bias=arch == "gpt_oss",
         qk_norm=arch in ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3"),
         qk_norm_scope="projection" if arch in ("olmo2", "olmo3") else "head",
-        norm_layout="post" if arch in ("olmo2", "olmo3") else "sandwich" if arch in ("gemma3", "glm4") else "pre",
+        norm_layout="post"
+        if arch in ("olmo2", "olmo3")
+        else "sandwich"
+        if arch in ("gemma2", "gemma3", "glm4")
+        else "pre",
         architecture=architecture,
         model_type=SUPPORTED_ARCHITECTURES[architecture],
         pad_token_id=0,
@@ -603,9 +609,13 @@ def tiny_config(
     )
     if arch in ("olmo3", "gemma3"):  # a short window, in every layer but the last (OLMo 3: three of four)
         fields.update(sliding_window=16, window_layers=tuple(range(layers - 1)) if layers > 1 else None)
-    if arch == "gemma3":  # its window layers turn at another base, as Gemma 3's local layers do
+    if arch in ("gemma2", "gemma3"):
         fields.update(norm_weight_offset=1.0, hidden_act="gelu_pytorch_tanh", scale_embeddings=True)
         fields.update(query_pre_attn_scalar=float(hidden_size // heads), tie_word_embeddings=True)
+    if arch == "gemma2":  # every other layer windowed; caps small enough to bend a tiny model's scores and logits
+        fields.update(sliding_window=16, window_layers=tuple(range(0, layers, 2)))
+        fields.update(attn_logit_softcapping=5.0, final_logit_softcapping=5.0)
+    if arch == "gemma3":  # its window layers turn at another base, as Gemma 3's local layers do
         if layers > 1:
             fields["window_rope"] = {"rope_theta": 1000.0}
     if arch == "ministral3":  # the query scale past a short period, so that short sequences reach it

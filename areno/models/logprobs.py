@@ -15,7 +15,10 @@ model-dtype logits when they fit ``keep_logits_budget`` (an eighth of a GPU's me
 of what is free), and the largest keep nothing, so backward recomputes each chunk's logits and
 peak memory is one chunk of ``[chunk_size, V]`` logits in both passes. Keeping saves backward's
 recomputing matmul; the values are the same either way. The matmul runs in the model dtype and
-the softmax in fp32, as ``Decoder.logits(...).float()`` would.
+the softmax in fp32, as ``Decoder.logits(...).float()`` would. A soft-capped head (Gemma 2's
+``final_logit_softcapping``) caps each chunk's logits in fp32 first (``eager_ops.soft_cap``) and keeps
+no log-softmax: backward needs the capped logits for the tanh's derivative, so it keeps those where they
+fit and recomputes them otherwise.
 
 Legend: T = packed tokens, D = hidden size, V = vocabulary, B = sequences, C = tokens of a chunk.
 """
@@ -33,6 +36,7 @@ import torch
 from areno.models import cpu_gemm
 from areno.models.attention import PackedCausalAttention
 from areno.models.decoder import Decoder
+from areno.models.eager_ops import soft_cap
 from areno.models.fused_ops import thread_flag
 from areno.types import repeat_per_sequence
 
@@ -171,9 +175,11 @@ def _fused_grad_logits(
     g_ent_C: torch.Tensor,
     inv_tau: float,
     use_entropy: bool,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """dL/d(zraw) [C, V] in the logits' dtype: ``(g [v = target] - p (g + g_H (log p + H))) / tau``,
-    one fused pass for torch.compile (the one-hot is a comparison, not a scatter)."""
+    one fused pass for torch.compile (the one-hot is a comparison, not a scatter). ``softcap``: ``zraw`` holds
+    capped logits c = cap tanh(z / cap), and the gradient reaches z through dc/dz = 1 - (c / cap)^2."""
     logp_CV = zraw_CV.float() * inv_tau - lse_C[:, None]
     p_CV = torch.exp(logp_CV)
     if use_entropy:
@@ -182,7 +188,11 @@ def _fused_grad_logits(
         coef_CV = g_C[:, None]
     vocab_V = torch.arange(zraw_CV.shape[-1], device=zraw_CV.device)
     onehot_CV = (vocab_V[None, :] == targets_C[:, None]).to(p_CV.dtype)
-    return ((onehot_CV * g_C[:, None] - p_CV * coef_CV) * inv_tau).to(zraw_CV.dtype)
+    grad_CV = (onehot_CV * g_C[:, None] - p_CV * coef_CV) * inv_tau
+    if softcap is not None:
+        c_CV = zraw_CV.float() / softcap
+        grad_CV = grad_CV * (1.0 - c_CV * c_CV)
+    return grad_CV.to(zraw_CV.dtype)
 
 
 def _in_gemm_dtype(weight_VD: torch.Tensor, hidden_TD: torch.Tensor) -> torch.Tensor:
@@ -349,10 +359,11 @@ def compiled_logprob_kernels(enabled: bool = True) -> Iterator[None]:
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """(hidden_TD, weight_VD, targets_T) -> (logprobs_T, entropy_T), chunked in both passes."""
+    """(hidden_TD, weight_VD, targets_T) -> (logprobs_T, entropy_T), chunked in both passes; ``softcap``: the
+    logits soft-capped first (``final_logit_softcapping``)."""
 
     @staticmethod
-    def forward(ctx, hidden_TD, weight_VD, targets_T, temperature, chunk_size, with_entropy):
+    def forward(ctx, hidden_TD, weight_VD, targets_T, temperature, chunk_size, with_entropy, softcap=None):
         T = hidden_TD.shape[0]
         fused = _KERNELS if getattr(_ACTIVE, "enabled", False) else None
         logprobs_T = hidden_TD.new_empty(T, dtype=torch.float32)
@@ -361,7 +372,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         entropy_T = hidden_TD.new_empty(T if with_entropy else 0, dtype=torch.float32)
         ctx.fused = fused
         grads = any(ctx.needs_input_grad[:2])
-        keep = fused is None and grads and T * weight_VD.shape[0] * 4 <= KEEP_LOGSOFTMAX_MAX_BYTES
+        # a capped head keeps its capped logits instead (kept_z): backward's tanh derivative reads them
+        keep = fused is None and grads and T * weight_VD.shape[0] * 4 <= KEEP_LOGSOFTMAX_MAX_BYTES and softcap is None
         ctx.kept = [] if keep else None
         # with entropy, forward exponentiates the log-softmax anyway: backward reuses it when both fit
         keep_p = keep and with_entropy and 2 * T * weight_VD.shape[0] * 4 <= KEEP_LOGSOFTMAX_MAX_BYTES
@@ -387,7 +399,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             ctx.p_TV = hidden_TD.new_empty(T, weight_VD.shape[0], dtype=torch.float32)
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
-            zraw_CV = _logits(hidden_TD[s:e], weight_mm_VD, ctx.packed, ctx.fp32)
+            zraw_CV = soft_cap(_logits(hidden_TD[s:e], weight_mm_VD, ctx.packed, ctx.fp32), softcap)
             if s == 0 and grads and not keep:
                 if T * weight_VD.shape[0] * zraw_CV.element_size() <= keep_logits_budget(hidden_TD.device):
                     ctx.kept_z = []
@@ -420,6 +432,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 ctx.kept.append(logp_CV)
         ctx.save_for_backward(hidden_TD, weight_VD, targets_T, lse_T, entropy_T)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
+        ctx.softcap = softcap
         # Backward runs outside the caller's autocast: record it here so the recomputed logits and
         # the two gradient matmuls run in the dtype forward's did (bf16 under the one-GPU backend's
         # autocast with fp32 weights; without this they ran as fp32 GEMMs, ~2x the step time).
@@ -474,7 +487,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 zraw_CV, kept_z[i] = kept_z[i], None
             # else forward's matmul again, so kept and recomputed logits give the same gradients
             elif kept is None and kept_p is None:
-                zraw_CV = _logits(hidden_TD[s:e], weight_z_VD, ctx.packed, ctx.fp32)
+                zraw_CV = soft_cap(_logits(hidden_TD[s:e], weight_z_VD, ctx.packed, ctx.fp32), ctx.softcap)
             if fused is not None:
                 g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
                 g_ent_C = grad_entropy_T[s:e] if use_entropy else g_C
@@ -487,9 +500,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     g_ent_C,
                     1.0 / tau,
                     use_entropy,
+                    ctx.softcap,
                 )
                 del zraw_CV
-                if ctx.fp32:  # float32 logits give a float32 gradient: the GEMMs take the GEMM dtype
+                if grad_z_CV.dtype != gemm_dtype:  # float32 (or capped) logits give a float32 gradient
                     grad_z_CV = grad_z_CV.to(gemm_dtype)
                 if need_h:
                     grad_h_TD[s:e] = grad_z_CV @ weight_mm_VD
@@ -508,6 +522,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     logp_CV = _log_softmax(zraw_CV, tau)
                 if kept_p is None:  # in place where logp is not read again
                     p_CV = logp_CV.exp() if use_entropy else logp_CV.exp_()
+            # the cap's derivative 1 - (c / cap)^2 from the capped logits c, before they go
+            dcap_CV = None if ctx.softcap is None else (zraw_CV / ctx.softcap).square_().neg_().add_(1.0)
             del zraw_CV  # a kept chunk's memory goes back as backward moves on
             g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
             # d logp[target]/dz_j = onehot_j - p_j;  d H/dz_j = -p_j (logp_j + H)   (H = -sum p logp)
@@ -520,6 +536,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             grad_z_CV.scatter_add_(-1, targets_T[s:e, None], g_C[:, None])
             if tau != 1.0:
                 grad_z_CV /= tau
+            if dcap_CV is not None:
+                grad_z_CV.mul_(dcap_CV)
+                del dcap_CV
             if grad_z_TV is not None:
                 if grad_z_CV.data_ptr() != grad_z_TV[s:e].data_ptr():
                     grad_z_CV = grad_z_TV[s:e].copy_(grad_z_CV)
@@ -534,13 +553,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_w_VD = grad_z_TV.t() @ hidden_TD.to(gemm_dtype)
         if need_w:
             grad_w_VD = grad_w_VD.to(weight_VD.dtype)
-        return grad_h_TD, grad_w_VD, None, None, None, None
+        return grad_h_TD, grad_w_VD, None, None, None, None, None
 
 
 ShardedLogprobsFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, float, int, bool], tuple[torch.Tensor, torch.Tensor | None]
+    [torch.Tensor, torch.Tensor, torch.Tensor, float, int, bool, float | None], tuple[torch.Tensor, torch.Tensor | None]
 ]
-"""``(hidden_TD, weight_VD, targets_T, temperature, chunk_size, with_entropy) -> (logprobs_T, entropy_T)``."""
+"""``(hidden_TD, weight_VD, targets_T, temperature, chunk_size, with_entropy, softcap) -> (logprobs_T,
+entropy_T)``."""
 
 ShardedArgmaxFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 """``(hidden_TD, weight_VD, chunk_size) -> argmax_T``."""
@@ -583,10 +603,12 @@ def logprobs_from_hidden(
     chunk_size: int = 2048,
     *,
     with_entropy: bool = False,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Row-wise ``log softmax(hidden_TD[t] @ weight_VD.T / temperature)[targets_T[t]]`` (fp32 [T]),
-    and the entropy of each row's distribution when ``with_entropy``. Differentiable w.r.t.
-    hidden and weight; no alignment shift is applied here."""
+    and the entropy of each row's distribution when ``with_entropy``. ``softcap``: the model's
+    ``final_logit_softcapping``, each logit z capped to ``softcap * tanh(z / softcap)`` before the temperature.
+    Differentiable w.r.t. hidden and weight; no alignment shift is applied here."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score log-probs, got {temperature}")
     if chunk_size <= 0:
@@ -594,10 +616,10 @@ def logprobs_from_hidden(
     for is_sharded, sharded_fn in _SHARDED_WEIGHT_IMPLS.items():
         if is_sharded(weight_VD):
             return sharded_fn(
-                hidden_TD, weight_VD, targets_T.long(), float(temperature), int(chunk_size), bool(with_entropy)
+                hidden_TD, weight_VD, targets_T.long(), float(temperature), int(chunk_size), bool(with_entropy), softcap
             )
     logprobs_T, entropy_T = _ChunkedLogprobs.apply(
-        hidden_TD, weight_VD, targets_T.long(), float(temperature), int(chunk_size), bool(with_entropy)
+        hidden_TD, weight_VD, targets_T.long(), float(temperature), int(chunk_size), bool(with_entropy), softcap
     )
     return logprobs_T, (entropy_T if with_entropy else None)
 
@@ -641,7 +663,13 @@ def packed_logprobs(
     hidden_TD = model(input_ids_T, position_ids_T, attn)
     # hidden[t] predicts token t+1; the prediction across a sequence boundary is zeroed below.
     lp, ent = logprobs_from_hidden(
-        hidden_TD[:-1], model.output_weight, input_ids_T[1:], temperature, chunk_size, with_entropy=with_entropy
+        hidden_TD[:-1],
+        model.output_weight,
+        input_ids_T[1:],
+        temperature,
+        chunk_size,
+        with_entropy=with_entropy,
+        softcap=model.config.final_logit_softcapping,
     )
     zero = lp.new_zeros(1)
     is_first_T = position_ids_T == 0

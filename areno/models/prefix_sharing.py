@@ -22,10 +22,11 @@ import torch
 
 from areno.models.attention import (
     PaddedLayout,
+    check_score_terms,
+    explicit_attention,
     flash_runs,
     padded_layout,
     padded_sdpa,
-    sink_attention,
     varlen_available,
     varlen_causal,
     varlen_features,
@@ -149,8 +150,9 @@ class SharedPrefixAttention:
     mask aligned to the end of the keys on CUDA in 16-bit dtypes; elsewhere SDPA calls over the
     query sequences right-padded into batches by length, with masks: ``attention.padded_layout``).
     ``sliding_window`` / ``window_layers``: as ``PackedCausalAttention``'s (a window-less twin serves the
-    other layers where only some slide). ``sinks``: the layers pass sink logits (gpt-oss), which
-    ``attention.sink_attention`` applies per query sequence over its gathered keys."""
+    other layers where only some slide). ``sinks``: the layers pass sink logits (gpt-oss); ``softcap``: they
+    soft-cap their scores (Gemma 2); ``attention.explicit_attention`` applies either per query sequence over its
+    gathered keys."""
 
     def __init__(
         self,
@@ -159,12 +161,16 @@ class SharedPrefixAttention:
         sliding_window: int | None = None,
         window_layers: tuple[int, ...] | None = None,
         sinks: bool = False,
+        softcap: float | None = None,
     ) -> None:
         self.sharing = sharing
         self.sliding_window = sliding_window
         self.sinks = sinks
+        self.softcap = softcap
         self.window_layers = window_layers if sliding_window is not None else None
-        self._full = None if self.window_layers is None else SharedPrefixAttention(sharing, sinks=sinks)
+        self._full = (
+            None if self.window_layers is None else SharedPrefixAttention(sharing, sinks=sinks, softcap=softcap)
+        )
         self._state: tuple | None = None
         self._prepared_for: tuple | None = None
 
@@ -196,9 +202,9 @@ class SharedPrefixAttention:
             )
         seq_q = sh.cu_q_B1[1:] - sh.cu_q_B1[:-1]
         seq_k = sh.cu_k_B1[1:] - sh.cu_k_B1[:-1]
-        if self.sinks:  # per query sequence: its rows, and where its keys come from
+        if self.sinks or self.softcap is not None:  # per query sequence: its rows, and where its keys come from
             keys = sh.key_index_K.to(device, non_blocking=True)
-            self._state = ("sinks", sh.cu_q_B1.tolist(), sh.cu_k_B1.tolist(), keys)
+            self._state = ("explicit", sh.cu_q_B1.tolist(), sh.cu_k_B1.tolist(), keys)
         elif flash:
             i32 = lambda cu: cu.to(device=device, dtype=torch.int32, non_blocking=True)
             # varlen_features inspects a signature: read here, not inside compiled layers
@@ -237,14 +243,14 @@ class SharedPrefixAttention:
         k_THD: torch.Tensor,
         v_THD: torch.Tensor,
         sinks_H: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if self._full is not None and layer_idx not in self.window_layers:
-            return self._full(layer_idx, q_THD, k_THD, v_THD, sinks_H)
-        if (sinks_H is not None) != self.sinks:
-            raise ValueError(f"attention built with sinks={self.sinks} called with sinks_H={sinks_H is not None}")
+            return self._full(layer_idx, q_THD, k_THD, v_THD, sinks_H, softcap)
+        check_score_terms(self.sinks, self.softcap, sinks_H, softcap)
         if self._state is None:
             self.prepare(q_THD.shape[0], q_THD.device, q_THD.shape[-1], q_THD.dtype, query_heads=q_THD.shape[1])
-        if self._state[0] == "sinks":
+        if self._state[0] == "explicit":
             _, cu_q, cu_k, keys_K = self._state
             outs = []
             for b in range(len(cu_q) - 1):
@@ -253,7 +259,7 @@ class SharedPrefixAttention:
                 rows_K = keys_K[cu_k[b] : cu_k[b + 1]]
                 k_KHD, v_KHD = k_THD.index_select(0, rows_K), v_THD.index_select(0, rows_K)
                 q_QHD = q_THD[cu_q[b] : cu_q[b + 1]]
-                outs.append(sink_attention(q_QHD, k_KHD, v_KHD, sinks_H, self.sliding_window))
+                outs.append(explicit_attention(q_QHD, k_KHD, v_KHD, sinks_H, self.sliding_window, softcap=softcap))
             return torch.cat(outs) if outs else torch.empty_like(q_THD)
         if self._state[0] == "varlen":
             _, key_index, cu_q, cu_k, max_q, max_k, has_gqa, has_window = self._state

@@ -34,11 +34,12 @@ def hidden_states_TD(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
     cu_host_B1 = batch.cu_seqlens_B1.cpu()  # bounds are read on the host (no GPU stall)
     check_lengths(model.config, cu_host_B1)
     images = batch_images(batch)
-    # the layers' windows and sinks (a wrapper's config is its decoder's)
+    # the layers' windows, sinks and soft-cap (a wrapper's config is its decoder's)
     windows = dict(
         sliding_window=getattr(model.config, "sliding_window", None),
         window_layers=getattr(model.config, "window_layers", None),
         sinks=getattr(model.config, "attention_sinks", False),
+        softcap=getattr(model.config, "attn_logit_softcapping", None),
     )
     if images is None and getattr(model, "share_prompts", False):
         ids_host_T = batch.input_ids_T.cpu()
@@ -145,8 +146,9 @@ def token_logprobs_T(
     targets_K = host_to_device(targets_T[rows_host_K], device) if on_host else targets_T[rows_K]
     if chunk_size is None:
         chunk_size = auto_chunk_size(pred_KD, weight_VD)
+    softcap = getattr(model.config, "final_logit_softcapping", None)  # a wrapper's config is its decoder's
     logp_K, ent_K = logprobs_from_hidden(
-        pred_KD, weight_VD, targets_K, temperature, chunk_size, with_entropy=with_entropy
+        pred_KD, weight_VD, targets_K, temperature, chunk_size, with_entropy=with_entropy, softcap=softcap
     )
     out = {"logprobs_T": _scatter_T(logp_K, rows_K, T)}
     if with_entropy:

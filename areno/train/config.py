@@ -178,8 +178,8 @@ class TrainStepConfig:
     """CUDA attention of the training forwards over packed sequences: ``varlen`` (torch's
     variable-length flash kernel, nothing to compile), ``flex`` (FlexAttention with a document mask,
     compiled at the first step, which can take minutes on a GPU) or ``auto`` (varlen; flex for fp32
-    inputs, head dims flash lacks, a torch without varlen, or gpt-oss's attention sinks, which flash has
-    not: ``varlen`` is refused for them). CPU forwards pick their SDPA variant
+    inputs, head dims flash lacks, a torch without varlen, or gpt-oss's attention sinks and Gemma 2's
+    soft-capped scores, which flash has not: ``varlen`` is refused for them). CPU forwards pick their SDPA variant
     either way (``areno.models.decoder.PackedCausalAttention``)."""
     share_prompts: bool | str = "auto"
     """Compute a run of adjacent sequences' common prompt once in training forwards (a GRPO group's

@@ -86,11 +86,20 @@ class UlyssesAttention:
         recv = funcol.all_to_all_single_autograd(send, None, None, self.group)  # [cp (head group), C, h, Dh]
         return recv.transpose(0, 1).reshape(T // self.cp, self.cp * h, Dh)
 
-    def __call__(self, layer_idx: int, q_CHD: torch.Tensor, k_CHD: torch.Tensor, v_CHD: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        layer_idx: int,
+        q_CHD: torch.Tensor,
+        k_CHD: torch.Tensor,
+        v_CHD: torch.Tensor,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """``softcap``: Gemma 2's score cap, which acts on each score alone, so each rank's heads take it as they are."""
         if k_CHD.shape[1] % self.cp:  # fewer (or indivisible) KV heads: give every query head its own
             groups = q_CHD.shape[1] // k_CHD.shape[1]
             k_CHD, v_CHD = k_CHD.repeat_interleave(groups, dim=1), v_CHD.repeat_interleave(groups, dim=1)
-        out_THD = self.inner(layer_idx, self._to_heads(q_CHD), self._to_heads(k_CHD), self._to_heads(v_CHD))
+        q_THD, k_THD, v_THD = self._to_heads(q_CHD), self._to_heads(k_CHD), self._to_heads(v_CHD)
+        out_THD = self.inner(layer_idx, q_THD, k_THD, v_THD, softcap=softcap)
         return self._to_tokens(out_THD)
 
 
@@ -127,7 +136,11 @@ def _cp_forward(forward, decoder: Decoder, group: dist.ProcessGroup, cp: int, ra
             position_ids_T = torch.cat([position_ids_T, torch.arange(pad, device=position_ids_T.device)])
             cu_B1 = torch.cat([cu_B1, cu_B1.new_tensor([Tp])])
         full = PackedCausalAttention(
-            cu_B1, sliding_window=attn.sliding_window, impl=attn.impl, window_layers=attn.window_layers
+            cu_B1,
+            sliding_window=attn.sliding_window,
+            impl=attn.impl,
+            window_layers=attn.window_layers,
+            softcap=attn.softcap,
         )
         dtype = torch.get_autocast_dtype(input_ids_T.device.type) if torch.is_autocast_enabled() else None
         weight = decoder.model.embed_tokens.weight

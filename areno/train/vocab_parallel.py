@@ -18,7 +18,9 @@ in one all-reduce: two collectives per chunk. Backward recomputes the slice and
 uses ``dL/dz_j = g [j = target] - p_j (g + g_H (log p_j + H))`` on the shard, so the weight
 gradient of this rank's rows is exact locally and the hidden-state gradient is the sum over ranks
 of ``dz @ W_shard`` (one all-reduce per micro-batch). The hidden states are replicated over the TP
-ranks (no sequence parallelism), as ``parallelize.apply_tp`` lays the model out.
+ranks (no sequence parallelism), as ``parallelize.apply_tp`` lays the model out. A soft-capped head
+(Gemma 2's ``final_logit_softcapping``) caps each logit of the slice on its own before the temperature, and
+backward multiplies ``dL/dz`` by the cap's derivative ``1 - (c / cap)^2`` from the recomputed capped slice.
 
 Legend: T = packed tokens, D = hidden size, V = vocabulary, C = tokens of a chunk, Vs = ceil(V / tp).
 """
@@ -28,15 +30,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from areno.models.eager_ops import soft_cap
 from areno.models.logprobs import _ChunkedLogprobs, fp32_logits_enabled, fp32_product, register_sharded_weight
 from areno.train.dtensor import is_dtensor
 
 
-def _slice_logits(h_CD: torch.Tensor, w_VsD: torch.Tensor, temperature: float) -> torch.Tensor:
+def _slice_logits(
+    h_CD: torch.Tensor, w_VsD: torch.Tensor, temperature: float, softcap: float | None = None
+) -> torch.Tensor:
     if fp32_logits_enabled():  # model.fp32_logits: the shard's product in the hidden states' dtype, fp32 out
         z_CVs = fp32_product(h_CD, w_VsD.to(h_CD.dtype))
     else:
         z_CVs = (h_CD @ w_VsD.t()).float()
+    z_CVs = soft_cap(z_CVs, softcap)
     return z_CVs / temperature if temperature != 1.0 else z_CVs
 
 
@@ -44,7 +50,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
     """(hidden_TD, shard_VsD, targets_T) -> (logprobs_T, entropy_T) over a vocab-sharded head."""
 
     @staticmethod
-    def forward(ctx, hidden_TD, w_VsD, targets_T, vocab_start, group, temperature, chunk_size, with_entropy):
+    def forward(ctx, hidden_TD, w_VsD, targets_T, vocab_start, group, temperature, chunk_size, with_entropy, softcap):
         T, Vs = hidden_TD.shape[0], w_VsD.shape[0]
         local_T = targets_T - vocab_start
         in_shard_T = (local_T >= 0) & (local_T < Vs)
@@ -54,7 +60,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         entropy_T = hidden_TD.new_empty(T, dtype=torch.float32)
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
-            z_CVs = _slice_logits(hidden_TD[s:e], w_VsD, temperature)
+            z_CVs = _slice_logits(hidden_TD[s:e], w_VsD, temperature, softcap)
             m_C = z_CVs.amax(dim=-1)
             dist.all_reduce(m_C, op=dist.ReduceOp.MAX, group=group)
             z_t_C = z_CVs.gather(-1, local_T[s:e, None])[:, 0] * in_shard_T[s:e]
@@ -69,6 +75,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             entropy_T[s:e] = a_C.log() - b_C / a_C
         ctx.save_for_backward(hidden_TD, w_VsD, local_T, in_shard_T, lse_T, entropy_T)
         ctx.group, ctx.temperature, ctx.chunk_size, ctx.with_entropy = group, temperature, chunk_size, with_entropy
+        ctx.softcap = softcap
         if not with_entropy:
             entropy_T = entropy_T[:0]
         return logprobs_T, entropy_T
@@ -84,7 +91,10 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         grad_w_VsD = torch.zeros_like(w_VsD, dtype=torch.float32) if need_w else None
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
-            logp_CVs = _slice_logits(hidden_TD[s:e], w_VsD, tau).sub_(lse_T[s:e, None])
+            z_CVs = _slice_logits(hidden_TD[s:e], w_VsD, tau, ctx.softcap)
+            # the cap's derivative 1 - (c / cap)^2, c = tau z the capped logits
+            dcap_CVs = None if ctx.softcap is None else (z_CVs * (tau / ctx.softcap)).square_().neg_().add_(1.0)
+            logp_CVs = z_CVs.sub_(lse_T[s:e, None])
             p_CVs = logp_CVs.exp()
             g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
             if use_entropy:
@@ -95,6 +105,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             grad_z_CVs.scatter_add_(-1, local_T[s:e, None], (g_C * in_shard_T[s:e])[:, None])
             if tau != 1.0:
                 grad_z_CVs /= tau
+            if dcap_CVs is not None:
+                grad_z_CVs.mul_(dcap_CVs)
             grad_z_CVs = grad_z_CVs.to(hidden_TD.dtype)
             if need_h:
                 grad_h_TD[s:e] = (grad_z_CVs @ w_VsD).float()
@@ -105,7 +117,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             grad_h_TD = grad_h_TD.to(hidden_TD.dtype)
         if need_w:
             grad_w_VsD = grad_w_VsD.to(w_VsD.dtype)
-        return grad_h_TD, grad_w_VsD, None, None, None, None, None, None
+        return grad_h_TD, grad_w_VsD, None, None, None, None, None, None, None
 
 
 def dtensor_logprobs(
@@ -115,6 +127,7 @@ def dtensor_logprobs(
     temperature: float,
     chunk_size: int,
     with_entropy: bool,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``logprobs_from_hidden`` for a DTensor output projection: vocab-parallel when it is sharded
     on dim 0 over one mesh dimension (replicated over any others), else on the local full copy."""
@@ -122,10 +135,10 @@ def dtensor_logprobs(
         hidden_TD = hidden_TD.full_tensor()
     w_local, vocab_start, group = _vocab_shard(weight_VD)
     if group is None:
-        lp, ent = _ChunkedLogprobs.apply(hidden_TD, w_local, targets_T, temperature, chunk_size, with_entropy)
+        lp, ent = _ChunkedLogprobs.apply(hidden_TD, w_local, targets_T, temperature, chunk_size, with_entropy, softcap)
         return lp, (ent if with_entropy else None)
     lp, ent = _VocabParallelLogprobs.apply(
-        hidden_TD, w_local, targets_T, vocab_start, group, temperature, chunk_size, with_entropy
+        hidden_TD, w_local, targets_T, vocab_start, group, temperature, chunk_size, with_entropy, softcap
     )
     return lp, (ent if with_entropy else None)
 

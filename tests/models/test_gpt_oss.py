@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import GptOssConfig
 
 from areno.models import ModelConfig, load_model, tiny_config
-from areno.models.attention import PackedCausalAttention, apply_sinks, sink_attention
+from areno.models.attention import PackedCausalAttention, apply_sinks, explicit_attention
 from areno.models.gpt_oss import dequantize_mxfp4, to_disk_state
 from areno.models.hf_io import build_model
 from areno.models.logprobs import packed_logprobs
@@ -178,13 +178,14 @@ def test_sink_attention_matches_transformers_eager_form():
         s = scores.masked_fill(~keep, float("-inf"))
         probs = torch.softmax(torch.cat([s, sinks[:, None, None].expand(4, 9, 1)], -1), -1)[..., :-1]
         expected = (probs @ vv).transpose(0, 1)
-        torch.testing.assert_close(sink_attention(q, k, v, sinks, window), expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(explicit_attention(q, k, v, sinks, window), expected, rtol=1e-5, atol=1e-6)
     # the last 4 queries of 9 keys (a shared prompt's completion), and the log-sum-exp form
-    torch.testing.assert_close(sink_attention(q[5:], k, v, sinks), sink_attention(q, k, v, sinks)[5:])
-    plain = sink_attention(q, k, v, torch.full((4,), -1e4))
+    torch.testing.assert_close(explicit_attention(q[5:], k, v, sinks), explicit_attention(q, k, v, sinks)[5:])
+    plain = explicit_attention(q, k, v, torch.full((4,), -1e4))
     lse = torch.logsumexp(scores.masked_fill(i[None, :] > i[:, None], float("-inf")), -1)
     torch.testing.assert_close(
-        apply_sinks(plain.transpose(0, 1)[None], lse[None], sinks)[0].transpose(0, 1), sink_attention(q, k, v, sinks)
+        apply_sinks(plain.transpose(0, 1)[None], lse[None], sinks)[0].transpose(0, 1),
+        explicit_attention(q, k, v, sinks),
     )
 
 

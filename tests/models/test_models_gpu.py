@@ -33,6 +33,7 @@ def _ref_logprobs(ref, seqs):
         "olmo2",
         "olmo3",
         "gemma3",
+        "gemma2",
         "phi3",
         "phi4_mini",
         "glm4",
@@ -117,6 +118,31 @@ def test_cuda_flex_sinks_match_explicit_sink_attention(window):
 
     for got, exp in zip(run("flex"), run("sdpa")):
         torch.testing.assert_close(got, exp, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("window", [None, 64])
+def test_cuda_flex_softcap_matches_explicit_attention(window):
+    """Gemma 2's soft-capped scores on CUDA: flex's ``score_mod`` (what ``auto`` runs for them) against explicit
+    fp32 scores, forward and backward; and ``train.attention=varlen``, whose flash kernel has no cap, refused."""
+    torch.manual_seed(0)
+    cu_B1 = torch.tensor([0, 130, 131, 400, 512], device="cuda")
+    q = (torch.randn(512, 8, 64, device="cuda") * 3).to(torch.bfloat16).requires_grad_()  # scores past the cap
+    k = torch.randn(512, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(512, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(512, 8, 64, device="cuda", dtype=torch.bfloat16)
+
+    def run(name):
+        q.grad = k.grad = v.grad = None
+        attn = PackedCausalAttention(cu_B1, sliding_window=window, impl=name, softcap=5.0)
+        out = attn(0, q, k, v, softcap=5.0)
+        out.backward(grad)
+        return out.float(), q.grad.float(), k.grad.float(), v.grad.float()
+
+    for got, exp in zip(run("auto"), run("sdpa")):
+        torch.testing.assert_close(got, exp, atol=3e-2, rtol=3e-2)
+    with pytest.raises(ValueError, match="soft-capped scores .Gemma 2. runs as flex on CUDA"):
+        attn = PackedCausalAttention(cu_B1, sliding_window=window, softcap=5.0)
+        attn.prepare(512, q.device, 64, q.dtype, cuda_impl="varlen")
 
 
 def test_cuda_compiled_layers_with_sinks_match_eager():

@@ -1,6 +1,6 @@
 """Context parallelism (Ulysses, the ``c`` of ``cluster.allocation_mode``), CPU gloo, 2 processes: the decoder over each
 rank's half of a packed stream gives the single-process log-probs and, averaged over the CP ranks,
-its gradients (GQA with KV heads split and with KV heads repeated); FSDP2 training with cp 2 equals
+its gradients (GQA with KV heads split and with KV heads repeated; Gemma 2's soft-capped scores); FSDP2 training with cp 2 equals
 single-process training (losses, grad norms, weights, forward-only scores), odd token counts
 included (the stream is padded to a multiple of cp). Layouts it does not cover are one-line
 ConfigErrors."""
@@ -62,6 +62,8 @@ def test_ulysses_logprobs_and_gradients_equal_one_process(tmp_path):
         "kv_repeat": str(make_model_dir(tmp_path / "kv1", heads=4, kv_heads=1, tie_word_embeddings=True)),
         # a 4-key window in layer 0 only, which turns by its own RoPE (Gemma 3's layout)
         "layer_windows": str(make_model_dir(tmp_path / "g3", heads=4, kv_heads=2, arch="gemma3", sliding_window=4)),
+        # Gemma 2: each rank's heads cap their scores, every other layer windowed, the logits capped
+        "softcap": str(make_model_dir(tmp_path / "g2", heads=4, kv_heads=2, arch="gemma2", sliding_window=4)),
     }
     spawn(_grads_worker, 2, dirs, str(tmp_path), tmp=tmp_path)
     r = torch.load(tmp_path / "grads.pt", weights_only=True)

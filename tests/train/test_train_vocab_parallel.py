@@ -13,10 +13,11 @@ from tests.helpers.train import spawn
 pytestmark = pytest.mark.slow  # two process start-ups: ~20 s CPU, over a minute on a loaded machine
 
 T, D = 11, 8
-CASES = [  # (vocab, temperature, chunk_size, with_entropy): 37 is odd, so the shards are uneven (19 + 18)
-    (37, 1.0, 4, True),
-    (36, 0.7, 16, True),
-    (37, 1.3, 3, False),
+CASES = [  # (vocab, temperature, chunk_size, with_entropy, softcap): 37 is odd, so the shards are uneven (19 + 18)
+    (37, 1.0, 4, True, None),
+    (36, 0.7, 16, True, None),
+    (37, 1.3, 3, False, None),
+    (37, 0.8, 4, True, 3.0),  # Gemma 2's final soft-cap, small enough to bend most logits
 ]
 
 
@@ -30,11 +31,13 @@ def _inputs(vocab: int):
     return hidden_TD, weight_VD, targets_T, coef_T, coef_ent_T
 
 
-def _scores(hidden_TD, weight_VD, targets_T, coef_T, coef_ent_T, temperature, chunk, with_entropy):
+def _scores(hidden_TD, weight_VD, targets_T, coef_T, coef_ent_T, temperature, chunk, with_entropy, softcap):
     from areno.models.logprobs import logprobs_from_hidden
 
     h = hidden_TD.clone().requires_grad_(True)
-    lp, ent = logprobs_from_hidden(h, weight_VD, targets_T, temperature, chunk, with_entropy=with_entropy)
+    lp, ent = logprobs_from_hidden(
+        h, weight_VD, targets_T, temperature, chunk, with_entropy=with_entropy, softcap=softcap
+    )
     loss = (coef_T * lp).sum() + ((coef_ent_T * ent).sum() if with_entropy else 0.0)
     loss.backward()
     return lp.detach(), (ent.detach() if with_entropy else None), h.grad
@@ -49,12 +52,12 @@ def _worker(rank, world, out_dir):
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     results = []
-    for vocab, tau, chunk, with_entropy in CASES:
+    for vocab, tau, chunk, with_entropy, cap in CASES:
         hidden_TD, weight_VD, targets_T, coef_T, coef_ent_T = _inputs(vocab)
         case = {}
         for label, placement in (("sharded", Shard(0)), ("replicated", Replicate())):
             w = distribute_tensor(weight_VD, mesh, [placement]).requires_grad_(True)
-            lp, ent, grad_h = _scores(hidden_TD, w, targets_T, coef_T, coef_ent_T, tau, chunk, with_entropy)
+            lp, ent, grad_h = _scores(hidden_TD, w, targets_T, coef_T, coef_ent_T, tau, chunk, with_entropy, cap)
             case[label] = (
                 lp,
                 ent,
@@ -71,12 +74,13 @@ def _worker(rank, world, out_dir):
 def test_vocab_parallel_tp2_equals_tp1(tmp_path):
     spawn(_worker, 2, str(tmp_path), tmp=tmp_path)
     results = torch.load(tmp_path / "vp.pt", weights_only=True)
-    for (vocab, tau, chunk, with_entropy), case in zip(CASES, results):
+    for (vocab, tau, chunk, with_entropy, cap), case in zip(CASES, results):
         hidden_TD, weight_VD, targets_T, coef_T, coef_ent_T = _inputs(vocab)
         w = weight_VD.clone().requires_grad_(True)
-        lp, ent, grad_h = _scores(hidden_TD, w, targets_T, coef_T, coef_ent_T, tau, chunk, with_entropy)
-        # the hand formula: log_softmax(h W^T / tau)[target]
-        ref_logp = torch.log_softmax(hidden_TD.double() @ weight_VD.double().t() / tau, -1)
+        lp, ent, grad_h = _scores(hidden_TD, w, targets_T, coef_T, coef_ent_T, tau, chunk, with_entropy, cap)
+        # the hand formula: log_softmax(cap tanh(h W^T / cap) / tau)[target]
+        z = hidden_TD.double() @ weight_VD.double().t()
+        ref_logp = torch.log_softmax((z if cap is None else cap * torch.tanh(z / cap)) / tau, -1)
         torch.testing.assert_close(lp.double(), ref_logp.gather(-1, targets_T[:, None])[:, 0], rtol=0, atol=1e-5)
         assert case["sharded"][4] == (-(-vocab // 2), D)  # rank 0 holds only its rows
         for label in ("sharded", "replicated"):
