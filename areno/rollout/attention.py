@@ -18,9 +18,13 @@ end to end and attend with one flash varlen call, no padding and no mask.
 
 Attention sinks (gpt-oss: ``sinks_H``, a logit per query head that joins every softmax's denominator
 with no value) are served by every form: SDPA has none, so the gathered forms then attend through an
-explicit fp32 softmax with the sink as one more column (``_sink_attention``, ``_cpu_decode_attention``);
+explicit fp32 softmax with the sink as one more column (``_explicit_attention``, ``_cpu_decode_attention``);
 the paged decode kernels start their online softmax from it; the flash varlen call scales its output
-by ``sigmoid(lse - sink)``, the mass the sink leaves the keys (``varlen_causal_sinks``).
+by ``sigmoid(lse - sink)``, the mass the sink leaves the keys (``varlen_causal_sinks``). Soft-capped
+scores (Gemma 2: ``softcap``, each scaled score s as ``softcap * tanh(s / softcap)`` before the mask) take
+the same explicit forms (``_explicit_attention``; the CPU decode form caps before adding its mask) and the
+paged decode kernels cap each tile's scores; flash has no cap, so a prefill CUDA graph refuses it (the
+engine does not capture prefill graphs for such a model, ``PrefillGraphRunner.supported``).
 
 Legend: T = packed new tokens, B = sequences, L = key positions (padded), Q = query positions
 (padded), N = blocks per sequence (padded), Hq/Hkv = query/KV heads, Dh = head dim, S = KV slots,
@@ -46,6 +50,7 @@ from areno.models.attention import (
     varlen_features,
     varlen_lse_available,
 )
+from areno.models.eager_ops import soft_cap
 from areno.rollout.fused_loop import new_token_slots_torch
 from areno.rollout.kv_cache import KVCache
 from areno.rollout.paged_decode import paged_decode, paged_decode_rotary, triton_available
@@ -234,8 +239,9 @@ class LayerWindowAttention:
         k_THD: torch.Tensor,
         v_THD: torch.Tensor,
         sinks_H: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        return self._of(layer_idx)(layer_idx, q_THD, k_THD, v_THD, sinks_H)
+        return self._of(layer_idx)(layer_idx, q_THD, k_THD, v_THD, sinks_H, softcap)
 
     def attend_rotary(self, layer_idx: int, *args: Any, **kwargs: Any) -> torch.Tensor | None:
         """``PagedAttention.attend_rotary`` of the layer's kind."""
@@ -464,9 +470,10 @@ class PagedAttention:
         k_THD: torch.Tensor,
         v_THD: torch.Tensor,
         sinks_H: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Writes the step's K/V, then attends. ``sinks_H``: [Hq] sink logits of this rank's query
-        heads (gpt-oss), or None."""
+        heads (gpt-oss), or None; ``softcap``: Gemma 2's score cap, or None."""
         k_S, v_S = self.cache.k_S[layer_idx], self.cache.v_S[layer_idx]
         k_TKD, v_TKD = k_THD.to(k_S.dtype), v_THD.to(v_S.dtype)
         if fused_ops.write_kv_fits(k_TKD, v_TKD, k_S, v_S):
@@ -474,7 +481,7 @@ class PagedAttention:
         else:
             k_S.index_copy_(0, self.slot_mapping_T, k_TKD)
             v_S.index_copy_(0, self.slot_mapping_T, v_TKD)
-        return self._attend(layer_idx, q_THD, k_TKD, v_TKD, sinks_H)
+        return self._attend(layer_idx, q_THD, k_TKD, v_TKD, sinks_H, softcap)
 
     def attend_rotary(
         self,
@@ -486,13 +493,14 @@ class PagedAttention:
         sin_TF: torch.Tensor,
         qk_norm: HeadNorms | None = None,
         sinks_H: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor | None:
         """Attention of a fused q/k/v product before RoPE (``AttentionBackend``'s optional form): q and
         k rotated and K/V written into the pools by one kernel (``fused_ops.rope_write_kv``) instead
         of a RoPE and a pool write. None where that kernel does not serve (the caller then rotates and
         calls the backend), or where the CPU decode carry needs this step's K/V as tensors.
         ``qk_norm``: q's and k's per-head norms before RoPE, served in a pure paged decode step only
-        (inside the decode kernel); None elsewhere. ``sinks_H``: as ``__call__``'s."""
+        (inside the decode kernel); None elsewhere. ``sinks_H``, ``softcap``: as ``__call__``'s."""
         k_S, v_S = self.cache.k_S[layer_idx], self.cache.v_S[layer_idx]
         if (self.decode is not None and self.decode.carry is not None) or not fused_ops.rope_write_fits(
             qkv_TN, cos_TF, k_S, v_S
@@ -519,11 +527,12 @@ class PagedAttention:
                 p.sliding_window,
                 qk_norm=qk_norm,
                 sinks_H=sinks_H,
+                softcap=softcap,
             )
         q_THD = fused_ops.rope_write_kv(
             qkv_TN, num_q_heads, num_kv_heads, cos_TF, sin_TF, k_S, v_S, self.slot_mapping_T
         )
-        return self._attend(layer_idx, q_THD, None, None, sinks_H)
+        return self._attend(layer_idx, q_THD, None, None, sinks_H, softcap)
 
     def _attend(
         self,
@@ -532,11 +541,13 @@ class PagedAttention:
         k_TKD: torch.Tensor | None,
         v_TKD: torch.Tensor | None,
         sinks_H: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Attention of this step's queries once its K/V are in the pools (``k_TKD`` / ``v_TKD``: those
         K/V as tensors, which only the CPU decode carry reads; None when the carry is off). Each form's
         q rows are query heads grouped by KV head (h = kv_head * G + g) or not; its ``sinks_HQ`` (the
-        sink of each of q's (head, query row), [H, Q] or [H, 1]) follows that layout."""
+        sink of each of q's (head, query row), [H, Q] or [H, 1]) follows that layout. ``softcap``: every
+        form caps its scores (the flash varlen form has no cap and refuses one)."""
         k_S, v_S = self.cache.k_S[layer_idx], self.cache.v_S[layer_idx]
         nd = self.num_decode
         dc = self.cache.decode_carry
@@ -546,6 +557,11 @@ class PagedAttention:
             p = self.varlen
             k_LKD = k_S.index_select(0, p.kv_slots_L).to(q_THD.dtype)
             v_LKD = v_S.index_select(0, p.kv_slots_L).to(q_THD.dtype)
+            if softcap is not None:
+                raise ValueError(
+                    "soft-capped attention scores (Gemma 2) in a prefill CUDA graph: flash's varlen kernel has no "
+                    "cap; set rollout.prefill_cuda_graphs=false"
+                )
             if sinks_H is not None:
                 return varlen_causal_sinks(q_THD, k_LKD, v_LKD, p, sinks_H)
             return varlen_causal(
@@ -556,7 +572,7 @@ class PagedAttention:
         if self.paged is not None:  # the decode rows (all rows of a pure-decode step) over the pool
             p = self.paged
             out_BHD = paged_decode(
-                q_THD[:nd], k_S, v_S, p.bt_BN, p.ctx_B, self.cache.block_size, p.sliding_window, sinks_H
+                q_THD[:nd], k_S, v_S, p.bt_BN, p.ctx_B, self.cache.block_size, p.sliding_window, sinks_H, softcap
             )
             if self.prefill is None:
                 return out_BHD
@@ -572,17 +588,21 @@ class PagedAttention:
                 q_BKGD = q_THD[:nd].reshape(nd, Hkv, Hq // Hkv, -1)
                 sinks_KG = None if sinks_H is None else sinks_H.view(Hkv, Hq // Hkv)
                 if g.carry is not None:
-                    out_BKGD = _cpu_decode_attention(q_BKGD, k_S, v_S, g, layer_idx, k_TKD[:nd], v_TKD[:nd], sinks_KG)
+                    out_BKGD = _cpu_decode_attention(
+                        q_BKGD, k_S, v_S, g, layer_idx, k_TKD[:nd], v_TKD[:nd], sinks_KG, softcap
+                    )
                 else:
-                    out_BKGD = self._sdpa(q_BKGD, k_S, v_S, g, decode=True, sinks_HQ=sinks_KG)
+                    out_BKGD = self._sdpa(q_BKGD, k_S, v_S, g, decode=True, sinks_HQ=sinks_KG, softcap=softcap)
                 outs.append(out_BKGD.reshape(nd, Hq, -1))
             else:
                 q_BH1D = q_THD[:nd].unsqueeze(2)  # [Bd, Hq, 1, Dh]
                 sinks_H1 = None if sinks_H is None else sinks_H[:, None]
                 if g.carry is not None and Hq == Hkv:
-                    out_BH1D = _cpu_decode_attention(q_BH1D, k_S, v_S, g, layer_idx, k_TKD[:nd], v_TKD[:nd], sinks_H1)
+                    out_BH1D = _cpu_decode_attention(
+                        q_BH1D, k_S, v_S, g, layer_idx, k_TKD[:nd], v_TKD[:nd], sinks_H1, softcap
+                    )
                 else:
-                    out_BH1D = self._sdpa(q_BH1D, k_S, v_S, g, decode=True, sinks_HQ=sinks_H1)
+                    out_BH1D = self._sdpa(q_BH1D, k_S, v_S, g, decode=True, sinks_HQ=sinks_H1, softcap=softcap)
                 outs.append(out_BH1D.squeeze(2))
         if self.prefill is not None:
             g = self.prefill
@@ -599,11 +619,18 @@ class PagedAttention:
                 # row g * Q + q of KV head k is query head k * G + g
                 sinks_KM = None if sinks_H is None else sinks_H.view(Hkv, G).repeat_interleave(Q, dim=1)
                 out_BKMD = self._sdpa(
-                    q_BHQD.reshape(B, Hkv, G * Q, D), k_S, v_S, g, g.grouped_mask_B1ML, sinks_HQ=sinks_KM
+                    q_BHQD.reshape(B, Hkv, G * Q, D),
+                    k_S,
+                    v_S,
+                    g,
+                    g.grouped_mask_B1ML,
+                    sinks_HQ=sinks_KM,
+                    softcap=softcap,
                 )
                 out_BHQD = out_BKMD.reshape(B, H, Q, D)
             else:
-                out_BHQD = self._sdpa(q_BHQD, k_S, v_S, g, sinks_HQ=None if sinks_H is None else sinks_H[:, None])
+                sinks_H1 = None if sinks_H is None else sinks_H[:, None]
+                out_BHQD = self._sdpa(q_BHQD, k_S, v_S, g, sinks_HQ=sinks_H1, softcap=softcap)
             outs.append(out_BHQD.transpose(1, 2).reshape(B * Q, H, D).index_select(0, g.q_real_R))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
@@ -616,18 +643,21 @@ class PagedAttention:
         mask_B1QL: torch.Tensor | None = None,
         decode: bool = False,
         sinks_HQ: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """``sinks_HQ``: the sink logit of each of q's (head, query row), [H, Q] or [H, 1]; or None."""
+        """``sinks_HQ``: the sink logit of each of q's (head, query row), [H, Q] or [H, 1]; or None.
+        ``softcap``: Gemma 2's score cap, or None."""
         if decode and CPU_DECODE_MATMUL and q_BHQD.device.type == "cpu" and q_BHQD.shape[1] == k_S.shape[1]:
-            return _cpu_decode_attention(q_BHQD, k_S, v_S, g, sinks_KQ=sinks_HQ)
+            return _cpu_decode_attention(q_BHQD, k_S, v_S, g, sinks_KQ=sinks_HQ, softcap=softcap)
         # index_select over the flattened slots: same values as k_S[kv_slots_BL], about 2x faster
         # on CPU than advanced indexing (and a single gather kernel on CUDA).
         B, L = g.kv_slots_BL.shape
         flat_slots = g.kv_slots_BL.reshape(-1)
         k_BHLD = k_S.index_select(0, flat_slots).view(B, L, *k_S.shape[1:]).transpose(1, 2)
         v_BHLD = v_S.index_select(0, flat_slots).view(B, L, *v_S.shape[1:]).transpose(1, 2)
-        if sinks_HQ is not None:
-            return _sink_attention(q_BHQD, k_BHLD, v_BHLD, g.mask_B1QL if mask_B1QL is None else mask_B1QL, sinks_HQ)
+        if sinks_HQ is not None or softcap is not None:
+            mask = g.mask_B1QL if mask_B1QL is None else mask_B1QL
+            return _explicit_attention(q_BHQD, k_BHLD, v_BHLD, mask, sinks_HQ, softcap)
         with _sdpa_backends(q_BHQD.device):
             return F.scaled_dot_product_attention(
                 q_BHQD,
@@ -653,6 +683,7 @@ def _cpu_decode_attention(
     k_new_BKD: torch.Tensor | None = None,
     v_new_BKD: torch.Tensor | None = None,
     sinks_KQ: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """CPU decode rows (q and k/v with the same head count: the grouped form, or no GQA): K/V
     gathered head-major, ``[B * K, L, Dh]`` contiguous (one row of ``Dh`` per slot and head), then
@@ -663,7 +694,8 @@ def _cpu_decode_attention(
     ``g.carry`` (``DecodeCarry``: ``layer_idx`` and the step's new K/V ``[B, K, Dh]`` as written to
     the pool), the previous step's gathered K/V of this layer, extended by the new token, when
     ``g.extend``; else a fresh gather, kept for the next step. ``sinks_KQ``: the sink logit of each
-    of q's (head, query row), [K, Q] or [K, 1], folded into the softmax (in fp32); or None."""
+    of q's (head, query row), [K, Q] or [K, 1], folded into the softmax (in fp32); or None. ``softcap``:
+    the scores capped (in fp32) before the mask is added; or None."""
     B, K, Q, D = q_BKQD.shape
     L = g.kv_slots_BL.shape[1]
     if g.cpu_bias_NQL is None:
@@ -689,9 +721,13 @@ def _cpu_decode_attention(
                 x_NCD = x_NLD.new_zeros(B * K, carry.keys, D)
                 x_NCD[:, :L] = x_NLD
                 store[layer_idx] = x_NCD
-    scores_NQL = torch.baddbmm(g.cpu_bias_NQL, q_BKQD.reshape(B * K, Q, D), k_NLD.transpose(1, 2), alpha=D**-0.5)
+    if softcap is None:
+        scores_NQL = torch.baddbmm(g.cpu_bias_NQL, q_BKQD.reshape(B * K, Q, D), k_NLD.transpose(1, 2), alpha=D**-0.5)
+    else:  # the cap before the mask: tanh would turn a masked key's -inf into -softcap
+        raw_NQL = torch.bmm(q_BKQD.reshape(B * K, Q, D), k_NLD.transpose(1, 2)).mul_(D**-0.5)
+        scores_NQL = soft_cap(raw_NQL, softcap).add_(g.cpu_bias_NQL)
     if sinks_KQ is None:
-        probs_NQL = torch.softmax(scores_NQL, dim=-1)
+        probs_NQL = torch.softmax(scores_NQL, dim=-1).to(v_NLD.dtype)
     else:
         sink_NQ1 = sinks_KQ.float().expand(B, K, Q).reshape(B * K, Q, 1)
         probs_NQL = sink_softmax(scores_NQL, sink_NQ1).to(v_NLD.dtype)
@@ -699,23 +735,29 @@ def _cpu_decode_attention(
 
 
 SINK_SCORES_BYTES = 1 << 28
-"""``_sink_attention``: most bytes of fp32 scores per block of query rows (a long prefill chunk's
+"""``_explicit_attention``: most bytes of fp32 scores per block of query rows (a long prefill chunk's
 [B, H, Q, L] scores would not fit at once)."""
 
 
-def _sink_attention(
-    q_BHQD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor, mask_B1QL: torch.Tensor, sinks_HQ: torch.Tensor
+def _explicit_attention(
+    q_BHQD: torch.Tensor,
+    k_BKLD: torch.Tensor,
+    v_BKLD: torch.Tensor,
+    mask_B1QL: torch.Tensor,
+    sinks_HQ: torch.Tensor | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """The gathered SDPA call with attention sinks, which SDPA cannot take: fp32 scores, the mask as
-    -inf, ``sink_softmax``, in blocks of query rows of at most ``SINK_SCORES_BYTES`` of scores. K/V
-    with fewer heads (``GROUPED_DECODE`` off) are repeated to q's. Returns q's dtype."""
+    """The gathered SDPA call with attention sinks or soft-capped scores, which SDPA cannot take: fp32
+    scores, capped (``softcap``), the mask as -inf, ``sink_softmax`` (the plain softmax without sinks), in
+    blocks of query rows of at most ``SINK_SCORES_BYTES`` of scores. K/V with fewer heads
+    (``GROUPED_DECODE`` off) are repeated to q's. Returns q's dtype."""
     B, H, Q, D = q_BHQD.shape
     L = k_BKLD.shape[2]
     if k_BKLD.shape[1] != H:
         G = H // k_BKLD.shape[1]
         k_BKLD, v_BKLD = k_BKLD.repeat_interleave(G, dim=1), v_BKLD.repeat_interleave(G, dim=1)
     kt_BHDL, v_BHLD = k_BKLD.float().transpose(2, 3), v_BKLD.float()
-    sinks_HQ1 = sinks_HQ.float()[..., None]
+    sinks_HQ1 = None if sinks_HQ is None else sinks_HQ.float()[..., None]
     step = max(1, SINK_SCORES_BYTES // (4 * B * H * L))
 
     def rows(x: torch.Tensor, a: int) -> torch.Tensor:  # query rows a.. of x (a broadcast dim as it is)
@@ -723,9 +765,10 @@ def _sink_attention(
 
     outs = []
     for a in range(0, Q, step):
-        s_BHqL = torch.matmul(q_BHQD[:, :, a : a + step].float(), kt_BHDL).mul_(D**-0.5)
+        s_BHqL = soft_cap(torch.matmul(q_BHQD[:, :, a : a + step].float(), kt_BHDL).mul_(D**-0.5), softcap)
         s_BHqL.masked_fill_(~rows(mask_B1QL, a), float("-inf"))
-        outs.append(torch.matmul(sink_softmax(s_BHqL, rows(sinks_HQ1, a)), v_BHLD))
+        sink = None if sinks_HQ1 is None else rows(sinks_HQ1, a)
+        outs.append(torch.matmul(sink_softmax(s_BHqL, sink), v_BHLD))
     out_BHQD = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out_BHQD.to(q_BHQD.dtype)
 

@@ -76,7 +76,8 @@ class RolloutEngineSettings:
     captured per padded token count, key count and batch size, at most 16, their attention one flash
     varlen call per layer over keys gathered from the pool): a small model's prefill step is
     otherwise bound by the host launching its ~20 kernels per layer. Needs torch's varlen attention
-    (returning its log-sum-exp for a model with attention sinks, gpt-oss), a 16-bit KV cache, one
+    (returning its log-sum-exp for a model with attention sinks, gpt-oss; none for Gemma 2's
+    soft-capped scores, which flash does not compute), a 16-bit KV cache, one
     rank (no tensor parallelism) and, for a mixture of experts, grouped GEMMs (bf16 on a Hopper or
     newer GPU); the engine logs why when it cannot. Steps of more than 16,384 keys, and shapes past
     the cap, run eagerly."""

@@ -27,7 +27,9 @@ Semantics are those of ``PagedAttention.for_decode``'s gather path: the query at
 ``N * block_size`` positions; scale 1/sqrt(Dh). ``sinks_H`` (gpt-oss's attention sinks): a logit per
 query head that joins the softmax's denominator with no value; the online softmax starts from it
 (running max ``s_h``, running sum 1, accumulator 0), in the last split only, so split-K's combine
-counts it once.
+counts it once. ``softcap`` (Gemma 2's soft-capped scores): each scaled score s becomes
+``softcap * tanh(s / softcap)`` before the mask, in fp32 (the Triton kernel writes tanh from ``exp``, with a
+series near 0, ``_soft_cap``).
 
 Legend: B = sequences, N = block-table width, Hq/Hkv = query/KV heads, G = Hq / Hkv, Dh = head dim,
 S = KV slots (``(num_blocks + 1) * block_size``), C = keys per chunk.
@@ -40,6 +42,7 @@ import math
 import torch
 
 from areno.models.attention import HeadNorms
+from areno.models.eager_ops import soft_cap
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs have none.
     import triton
@@ -72,16 +75,19 @@ def paged_decode(
     block_size: int,
     sliding_window: int | None = None,
     sinks_H: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged pool: Triton on CUDA when available, else the torch loop.
 
     ``q_BHD``: [B, Hq, Dh] one query per sequence; ``k_S``/``v_S``: [S, Hkv, Dh] the layer's pool;
     ``bt_BN``: long [B, N] block tables (padding: any valid block id); ``ctx_B``: long [B] context
-    length including the new token; ``sinks_H``: [Hq] sink logits, or None. Returns [B, Hq, Dh] in
-    ``q_BHD``'s dtype."""
+    length including the new token; ``sinks_H``: [Hq] sink logits, or None; ``softcap``: the score cap,
+    or None. Returns [B, Hq, Dh] in ``q_BHD``'s dtype."""
     if q_BHD.is_cuda and triton is not None:
-        return paged_decode_triton(q_BHD, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window, sinks_H=sinks_H)
-    return paged_decode_torch(q_BHD, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window, sinks_H)
+        return paged_decode_triton(
+            q_BHD, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window, sinks_H=sinks_H, softcap=softcap
+        )
+    return paged_decode_torch(q_BHD, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window, sinks_H, softcap)
 
 
 def paged_decode_torch(
@@ -93,9 +99,11 @@ def paged_decode_torch(
     block_size: int,
     sliding_window: int | None = None,
     sinks_H: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Online-softmax decode attention over chunks of block-table columns (fp32 accumulation).
-    ``sinks_H``: [Hq] sink logits, the softmax's starting state (max ``s_h``, sum 1)."""
+    ``sinks_H``: [Hq] sink logits, the softmax's starting state (max ``s_h``, sum 1); ``softcap``: each
+    score capped before the mask."""
     B, Hq, Dh = q_BHD.shape
     Hkv = k_S.shape[1]
     G = Hq // Hkv
@@ -122,7 +130,7 @@ def paged_decode_torch(
         valid_BC = key_C[None, :] <= pos_B1
         if sliding_window is not None:
             valid_BC &= key_C[None, :] > pos_B1 - sliding_window
-        s_BKGC = torch.einsum("bkgd,bckd->bkgc", q_BKGD, k_BCKD)
+        s_BKGC = soft_cap(torch.einsum("bkgd,bckd->bkgc", q_BKGD, k_BCKD), softcap)
         s_BKGC = s_BKGC.masked_fill(~valid_BC[:, None, None, :], -math.inf)
         m_new = torch.maximum(m_BKG, s_BKGC.amax(dim=-1))
         m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # a row with no valid key yet
@@ -147,6 +155,19 @@ if triton is not None:
         if FP32:
             return _round_to(w * (x * rs), dt)
         return _round_to(w * _round_to(x * rs, dt), dt)
+
+    @triton.jit
+    def _soft_cap(s, softcap):
+        """``softcap * tanh(s / softcap)`` in fp32 to a few ulps: (1 - e) / (1 + e) of e = exp(-2|x|), whose
+        1 - e would lose the relative precision of a small |x|, where the series of tanh to x^7 takes over
+        (below 1/8 its next term is under 1e-9 of the value)."""
+        x = s / softcap
+        ax = tl.abs(x)
+        e = tl.exp(-2.0 * ax)
+        x2 = ax * ax
+        series = ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+        t = tl.where(ax < 0.125, series, (1.0 - e) / (1.0 + e))
+        return softcap * tl.where(x < 0, -t, t)
 
     @triton.jit
     def _paged_decode_kernel(
@@ -183,6 +204,7 @@ if triton is not None:
         kn_ptr,
         norm_eps,
         sink_ptr,
+        softcap,
         BLOCK_SIZE: tl.constexpr,
         G: tl.constexpr,
         BLOCK_G: tl.constexpr,
@@ -197,6 +219,7 @@ if triton is not None:
         NORM_FP32: tl.constexpr,
         NORM_OFFSET: tl.constexpr,
         HAS_SINKS: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
     ):
         # Program (b, kvh, split): the query heads of KV head kvh of sequence b over split-th share
         # of its key tiles. NUM_SPLITS == 1 writes the output; otherwise the unnormalised partial
@@ -206,6 +229,8 @@ if triton is not None:
         # QK_NORM (with ROTARY): each head of q and the new key RMS-normed first (weights qn / kn,
         # Qwen3's and Gemma 3's per-head norms), with the norm kernel's roundings. HAS_SINKS: the
         # last split's softmax starts from the heads' sink logits (max s_h, sum 1), counted once.
+        # HAS_SOFTCAP: every scaled score s (the new key's too) becomes softcap * tanh(s / softcap) before the
+        # mask (_soft_cap).
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -284,7 +309,10 @@ if triton is not None:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = tl.where(ok[None, :], s * scale, float("-inf"))
+            s = s * scale
+            if HAS_SOFTCAP:
+                s = _soft_cap(s, softcap)
+            s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)
@@ -304,6 +332,8 @@ if triton is not None:
                 tl.store(v_ptr + slot * stride_vs + kvh * stride_vh + offs_d, v_new, mask=d_ok)
                 # a row past its table (run on in a multi-step decode, discarded) does not see its key
                 s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+                if HAS_SOFTCAP:
+                    s_new = _soft_cap(s_new, softcap)
                 s_new = tl.where(pos < num_cols * BLOCK_SIZE, s_new, float("-inf"))
                 m_new = tl.maximum(m_i, s_new)
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -385,12 +415,13 @@ def paged_decode_triton(
     tile: int = 64,
     num_splits: int | None = None,
     sinks_H: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The Triton kernel (CUDA tensors). ``tile``: keys per loop iteration (a power of two >= 16).
     ``num_splits``: programs per (sequence, KV head), each over a share of the key tiles, merged by a
     second kernel (split-K, for batches too small to fill the GPU). None: enough for about
     ``SPLIT_TARGET_PROGRAMS_PER_SM`` programs per SM, at most ``MAX_SPLITS`` and one tile each.
-    ``sinks_H``: [Hq] sink logits, or None."""
+    ``sinks_H``: [Hq] sink logits, or None; ``softcap``: the score cap, or None."""
     if triton is None:
         raise RuntimeError("decode_attention='paged' on CUDA needs triton: install triton or use 'gather'")
     if k_S.stride(2) != 1 or v_S.stride(2) != 1:
@@ -401,8 +432,9 @@ def paged_decode_triton(
         q_BHD = q_BHD.to(k_S.dtype)
     B, Hq, Dh = q_BHD.shape
     out_BHD = _run_decode(
-        q_BHD, Hq, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window, tile, num_splits, None, sinks_H=sinks_H
-    )
+        q_BHD, Hq, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window, tile, num_splits, None,
+        sinks_H=sinks_H, softcap=softcap,
+    )  # fmt: skip
     return out_BHD.to(out_dtype)
 
 
@@ -424,6 +456,7 @@ def paged_decode_rotary(
     num_stages: int = NUM_STAGES,
     qk_norm: HeadNorms | None = None,
     sinks_H: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """A decode step's attention from its fused q/k/v product before RoPE (``qkv_BN``: [B, (Hq + 2
     Hkv) Dh], one new token per sequence at position ``ctx - 1``): what ``fused_ops.rope_write_kv``
@@ -432,7 +465,7 @@ def paged_decode_rotary(
     ``fused_ops.rope_write_fits`` holds (one dtype, contiguous pools and columns). ``num_splits`` as
     ``paged_decode_triton``'s; ``num_stages``: the key loop's pipelining stages (``bench.paged_decode``
     times both). ``qk_norm``: each head of q and the new key RMS-normed before RoPE (Qwen3, Gemma 3).
-    ``sinks_H``: [Hq] sink logits, or None. Returns [B, Hq, Dh]."""
+    ``sinks_H``: [Hq] sink logits, or None; ``softcap``: the score cap, or None. Returns [B, Hq, Dh]."""
     if triton is None:
         raise RuntimeError("paged_decode_rotary needs triton")
     if k_S.shape[1] != num_kv_heads or qkv_BN.shape[1] != (num_q_heads + 2 * num_kv_heads) * k_S.shape[2]:
@@ -449,7 +482,7 @@ def paged_decode_rotary(
     rotary = (cos_BF, sin_BF, slot_B, qk_norm)
     return _run_decode(
         qkv_BN, num_q_heads, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window, tile, num_splits, rotary, num_stages,
-        sinks_H,
+        sinks_H, softcap,
     )  # fmt: skip
 
 
@@ -467,6 +500,7 @@ def _run_decode(
     rotary: tuple | None,
     num_stages: int = NUM_STAGES,
     sinks_H: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The decode kernel and, for more than one split, the combine kernel: [B, Hq, Dh] in ``q``'s dtype."""
     B, Hq, Dh = q.shape[0], num_q_heads, k_S.shape[2]
@@ -484,7 +518,7 @@ def _run_decode(
     parts = (part_acc, part_m, part_l)
     _launch_decode(
         q, Hq, k_S, v_S, bt_BN, ctx_B, out_BHD, parts, num_splits, block_size, sliding_window, tile, rotary, num_stages,
-        sinks_H,
+        sinks_H, softcap,
     )  # fmt: skip
     if num_splits > 1:
         _combine_kernel[(B, Hq)](
@@ -520,11 +554,12 @@ def _launch_decode(
     rotary: tuple | None = None,
     num_stages: int = NUM_STAGES,
     sinks_H: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> None:
     """``_paged_decode_kernel`` over (B, Hkv, num_splits) programs; ``parts``: the split-K partials
     (accumulators, running maxima, sums), unused for one split. ``q``: [B, Hq, Dh] queries, or with
     ``rotary`` = (cos, sin, new-token slots) the [B, (Hq + 2 Hkv) Dh] q/k/v product before RoPE.
-    ``sinks_H``: [Hq] sink logits (any float dtype), or None."""
+    ``sinks_H``: [Hq] sink logits (any float dtype), or None; ``softcap``: the score cap, or None."""
     B, Hq, Dh = q.shape[0], num_q_heads, k_S.shape[2]
     Hkv = k_S.shape[1]
     G = Hq // Hkv
@@ -572,6 +607,7 @@ def _launch_decode(
         kn_w,
         norms.eps if norms is not None else 0.0,
         sinks,
+        float(softcap or 1.0),  # unused without
         BLOCK_SIZE=block_size,
         G=G,
         BLOCK_G=max(16, triton.next_power_of_2(G)),
@@ -586,6 +622,7 @@ def _launch_decode(
         NORM_FP32=norms is not None and norms.scale_in_float32,
         NORM_OFFSET=float(norms.offset) if norms is not None else 0.0,
         HAS_SINKS=sinks_H is not None,
+        HAS_SOFTCAP=softcap is not None,
         num_warps=NUM_WARPS,
         num_stages=num_stages,
     )

@@ -69,6 +69,8 @@ class PrefillGraphRunner:
             return f"flash varlen attention needs a head dim that is a multiple of 8 up to 256, not {cache.head_dim}"
         if engine.sliding_window is not None and not varlen_features()[1]:
             return "this torch's varlen attention has no sliding window"
+        if engine.model_config.attn_logit_softcapping is not None:
+            return "flash varlen attention has no soft-cap, which the model's attention scores take (Gemma 2)"
         if engine.model_config.attention_sinks and not varlen_lse_available():
             return "this torch's varlen attention returns no log-sum-exp, which the model's attention sinks need"
         dev = engine.device

@@ -36,6 +36,7 @@ def fake_triton():
     tl.max = lambda x, axis: x.amax(axis)
     tl.sum = lambda x, axis: x.sum(axis)
     tl.exp = torch.exp
+    tl.abs = torch.abs
     tl.math = types.SimpleNamespace(rsqrt=torch.rsqrt)
 
     def load(ptr, mask=None, other=0.0):

@@ -303,7 +303,7 @@ def test_varlen_without_lse_refuses_sinks(monkeypatch):
     for where in (rollout_attention, prefill_graph):
         monkeypatch.setattr(where, "varlen_lse_available", lambda: False)
     assert PrefillGraphRunner.supported(eng) is None  # no sinks: nothing needs the log-sum-exp
-    eng.model_config = SimpleNamespace(attention_sinks=True)
+    eng.model_config = SimpleNamespace(attention_sinks=True, attn_logit_softcapping=None)
     assert "log-sum-exp" in PrefillGraphRunner.supported(eng)
     attn, _, _, (q, k, v) = _varlen_case(_pool(2), 4, 2, None)
     with pytest.raises(ValueError, match="rollout.prefill_cuda_graphs=false"):

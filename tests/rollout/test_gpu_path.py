@@ -84,13 +84,18 @@ PHI4_MINI_ROPE = {
 # ministral3: queries scaled by position (every 8 positions), past the fused RoPE kernels; gpt_oss: sinks in
 # every attention path, a 6-key window in layer 0, biased experts in CUDA graphs; phi4_mini: 6 of 8 head
 # dimensions turned by LongRoPE's short factors, past the fused RoPE kernels; glm4: adjacent pairs of half
-# of each head turned, sandwich norms in the model dtype (past the fused add + norm kernels)
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo3", "gemma3", "ministral3", "gpt_oss", "phi4_mini", "glm4"])
+# of each head turned, sandwich norms in the model dtype (past the fused add + norm kernels); gemma2: scores
+# soft-capped in every decode path (the paged kernel's cap, no prefill graphs) and logits capped, a 6-key window
+# in layer 0
+@pytest.mark.parametrize(
+    "arch", ["qwen2", "qwen3", "olmo3", "gemma3", "ministral3", "gpt_oss", "phi4_mini", "glm4", "gemma2"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_match_eager_on_gpu(dtype, arch):
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 
-    kw = {"arch": arch, "sliding_window": 6} if arch in ("olmo3", "gemma3", "gpt_oss") else {"arch": arch}
+    windowed = ("olmo3", "gemma3", "gpt_oss", "gemma2")
+    kw = {"arch": arch, "sliding_window": 6} if arch in windowed else {"arch": arch}
     if arch == "phi4_mini":
         kw = {"arch": "phi3", "partial_rotary_factor": 0.75, "rope_scaling": PHI4_MINI_ROPE}
     model, cfg = make_model(0, **kw)
