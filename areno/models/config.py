@@ -30,6 +30,9 @@ Supported architectures (``architectures[0]`` in ``config.json``) and what sets 
 - ``Gemma2ForCausalLM``  (Gemma 2) Gemma 3's layers without q/k norms, a window in every other layer and one
   RoPE for all; attention scores and final logits soft-capped (``attn_logit_softcapping``,
   ``final_logit_softcapping``: ``cap * tanh(x / cap)``).
+- ``GraniteForCausalLM`` (IBM Granite 3) Llama's layers and four scalars: embeddings times
+  ``embedding_multiplier``, ``attention_multiplier`` as the softmax's scale, each block's output times
+  ``residual_multiplier`` before its residual add, and final logits divided by ``logits_scaling``.
 - ``GptOssForCausalLM``  (gpt-oss) q/k/v/o bias, a learned sink logit per query head in every softmax
   (``attention_sinks``), a 128-token window in every other layer, YaRN; an expert block in every layer
   whose router and experts have biases (``expert_bias``) and whose SwiGLU is clamped
@@ -73,6 +76,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "SmolLM3ForCausalLM": "smollm3",
     "GptOssForCausalLM": "gpt_oss",
     "Glm4ForCausalLM": "glm4",
+    "GraniteForCausalLM": "granite",
 }
 SEQUENCE_CLASSIFIER_SUFFIX = "ForSequenceClassification"
 """transformers' scalar-head layout (``score.weight`` [num_labels, hidden] on the decoder, no LM
@@ -117,6 +121,9 @@ per layer type)."""
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
 GLM4 = "Glm4ForCausalLM"
 PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", GLM4)
+GRANITE = "GraniteForCausalLM"
+LLAMA_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "SmolLM3ForCausalLM", GRANITE)
+"""The layouts whose transformers class reads Llama's ``mlp_bias``."""
 """The layouts whose transformers class turns only the first ``partial_rotary_factor`` of each head (Phi-4-mini)."""
 
 
@@ -259,6 +266,17 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     """Gemma 2's final soft-cap: every logit z of the LM head becomes ``cap * tanh(z / cap)`` (30 in its
     released models), computed in float32 from the head's product; None: logits as they are."""
+    embedding_multiplier: float = 1.0
+    """Granite's scale of the token embeddings (12 in its released models), applied in their dtype."""
+    attention_multiplier: float | None = None
+    """Granite's softmax scale of the attention scores in place of head_dim^-1/2 (its released models: 1/64 or
+    1/128); None: head_dim^-1/2."""
+    residual_multiplier: float = 1.0
+    """Granite's scale of each block's output (attention and MLP) before its residual add (0.22 in its
+    released models), applied in the model dtype as transformers does."""
+    logits_scaling: float = 1.0
+    """Granite's divisor of the final logits (8 or 16 in its released models), applied in float32 to the
+    head's product, before any temperature."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -296,6 +314,7 @@ class ModelConfig:
         self._check_moe()
         self._check_gpt_oss()
         self._check_softcaps()
+        self._check_multipliers()
         if self.rope_scaling is not None:
             object.__setattr__(self, "rope_scaling", _normalized_scaling(self.rope_scaling))
         self._check_rotary()
@@ -370,6 +389,7 @@ class ModelConfig:
                 "SmolLM3ForCausalLM",
                 *GEMMA_ARCHITECTURES,
                 GPT_OSS,
+                GRANITE,
             )
             and self.attention_bias != self.attention_out_bias
         ):
@@ -382,10 +402,8 @@ class ModelConfig:
             raise ValueError(f"{arch} has no o_proj bias (attention_bias is its q/k/v's)")
         if self.rope_interleaved != (arch == GLM4):
             raise ValueError(f"rope_interleaved={self.rope_interleaved} is impossible for {arch} (GLM-4's RoPE only)")
-        if self.mlp_bias and arch not in ("LlamaForCausalLM", "SmolLM3ForCausalLM"):
-            raise ValueError(
-                f"mlp_bias=True is only expressible for LlamaForCausalLM and SmolLM3ForCausalLM, not {arch}"
-            )
+        if self.mlp_bias and arch not in LLAMA_BIAS_ARCHITECTURES:
+            raise ValueError(f"mlp_bias=True is only expressible for {', '.join(LLAMA_BIAS_ARCHITECTURES)}, not {arch}")
         object.__setattr__(self, "nope_layers", tuple(sorted({int(i) for i in self.nope_layers})))
         if self.nope_layers and arch != "SmolLM3ForCausalLM":
             raise ValueError(
@@ -545,6 +563,28 @@ class ModelConfig:
                 raise ValueError(
                     f"{name}={cap} is only expressible for {GEMMA2} (Gemma 2's soft-capping), not {self.architecture}"
                 )
+
+    def _check_multipliers(self) -> None:
+        """Granite's four scalars: positive finite floats, other than their defaults only for Granite."""
+        for name in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"):
+            value = getattr(self, name)
+            if value is None and name == "attention_multiplier":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive float, got {value!r}")
+            object.__setattr__(self, name, float(value))
+            if self.architecture != GRANITE and value != (None if name == "attention_multiplier" else 1.0):
+                raise ValueError(
+                    f"{name}={value} is only expressible for {GRANITE} (Granite's multipliers), not {self.architecture}"
+                )
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of the attention scores: Granite's ``attention_multiplier``, Gemma's
+        ``query_pre_attn_scalar`` to the -1/2, else head_dim to the -1/2."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` holds a sparse expert block (transformers' rule)."""
@@ -721,7 +761,7 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             attention_out_bias=out_bias,
-            mlp_bias=bool(d.get("mlp_bias", False)) if arch in ("LlamaForCausalLM", "SmolLM3ForCausalLM") else False,
+            mlp_bias=bool(d.get("mlp_bias", False)) if arch in LLAMA_BIAS_ARCHITECTURES else False,
             nope_layers=_nope_layers(arch, d),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *OLMO_ARCHITECTURES, GEMMA3),
             qk_norm_scope="projection" if arch in OLMO_ARCHITECTURES else "head",
@@ -731,6 +771,7 @@ class ModelConfig:
             if arch in (*GEMMA_ARCHITECTURES, GLM4)
             else "pre",
             **(_gemma_fields(arch, d) if arch in GEMMA_ARCHITECTURES else {}),
+            **(_granite_fields(d) if arch == GRANITE else {}),
             sliding_window=sliding_window,
             window_layers=window_layers,
             window_rope=window_rope,
@@ -781,9 +822,10 @@ class ModelConfig:
             *GEMMA_ARCHITECTURES,
             GPT_OSS,
             GLM4,
+            GRANITE,
         ):
             d["attention_bias"] = self.attention_bias
-        if self.architecture in ("LlamaForCausalLM", "SmolLM3ForCausalLM"):
+        if self.architecture in LLAMA_BIAS_ARCHITECTURES:
             d["mlp_bias"] = self.mlp_bias
         if self.partial_rotary_factor != 1 or self.architecture == GLM4:  # GLM-4's class defaults to 0.5
             d["partial_rotary_factor"] = self.partial_rotary_factor
@@ -841,6 +883,13 @@ class ModelConfig:
                 final_logit_softcapping=self.final_logit_softcapping,
                 attn_logit_softcapping=self.attn_logit_softcapping,
                 use_bidirectional_attention=False,
+            )
+        if self.architecture == GRANITE:  # its class defaults attention_multiplier to 1, not head_dim^-1/2
+            d.update(
+                embedding_multiplier=self.embedding_multiplier,
+                attention_multiplier=self.attention_scale,
+                residual_multiplier=self.residual_multiplier,
+                logits_scaling=self.logits_scaling,
             )
         if self.architecture == "Qwen3MoeForCausalLM":
             d.update(
@@ -1046,6 +1095,9 @@ HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
                 "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                  "truncate": False, "original_max_position_embeddings": 4096},
                 "rope_theta": 150000.0},
+    "granite": {**_COMMON, "max_position_embeddings": 2048, "attention_bias": False, "mlp_bias": False,
+                "bos_token_id": 1, "eos_token_id": 2, "embedding_multiplier": 1.0, "attention_multiplier": 1.0,
+                "residual_multiplier": 1.0, "logits_scaling": 1.0, "rope_theta": 1e4},
     "smollm3": {**_COMMON, "tie_word_embeddings": True, "max_position_embeddings": 32768, "attention_bias": False,
                 "mlp_bias": False, "use_sliding_window": False, "sliding_window": None, "no_rope_layer_interval": 4,
                 "rope_theta": 2e6},
@@ -1093,7 +1145,7 @@ def _sliding_window(arch: str, d: dict[str, Any]) -> tuple[int | None, tuple[int
         window = d.get("sliding_window")
         if arch != "MistralForCausalLM" or types is None:  # transformers reads layer_types for Mistral only
             return window, None
-    elif arch in ("LlamaForCausalLM", "Olmo2ForCausalLM", GLM4):
+    elif arch in ("LlamaForCausalLM", "Olmo2ForCausalLM", GLM4, GRANITE):
         return None, None  # transformers gives them no window (and ignores the keys)
     elif arch in (GPT_OSS, GEMMA2):
         window = d.get("sliding_window")
@@ -1277,6 +1329,11 @@ def _gemma_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
             final_logit_softcapping=d.get("final_logit_softcapping"),
         )
     return fields
+
+
+def _granite_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """Granite's four scalars (its class's defaults, all 1, filled in by ``HF_CLASS_DEFAULTS``)."""
+    return {k: d[k] for k in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")}
 
 
 def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -37,12 +37,12 @@ from areno.models.attention import (
 )
 from areno.models.config import ModelConfig
 from areno.models.eager_ops import (
+    LogitMap,
     eager_glu,
     eager_rms_norm,
     eager_rms_norm_fp32_scale,
     eager_rms_norm_offset,
     eager_rope,
-    soft_cap,
 )
 from areno.models.prefix_sharing import SharedPrefixAttention
 from areno.models.tp_plan import TPReduce, check_tp_size
@@ -266,9 +266,12 @@ class Attention(nn.Module):
             offset = config.norm_weight_offset
             self.q_norm = RMSNorm(q_width, config.rms_norm_eps, scale_in_float32=fp32, offset=offset)
             self.k_norm = RMSNorm(k_width, config.rms_norm_eps, scale_in_float32=fp32, offset=offset)
-        scalar = config.query_pre_attn_scalar
-        # the backends scale scores by head_dim^-1/2; Gemma 3 by query_pre_attn_scalar^-1/2: q takes the ratio
+        # the backends scale scores by head_dim^-1/2; Gemma by query_pre_attn_scalar^-1/2 and Granite by its
+        # attention_multiplier: q takes the ratio, so every backend (training and engine) scales alike
+        scalar, multiplier = config.query_pre_attn_scalar, config.attention_multiplier
         self.q_scale = 1.0 if scalar is None else math.sqrt(dh / scalar)
+        if multiplier is not None and multiplier != dh**-0.5:
+            self.q_scale = multiplier * math.sqrt(dh)
         self.qkv: fused_linear.FusedRows | None = None
         """Set by ``Decoder.fuse_projections``: q/k/v weights as row slices of one tensor."""
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
@@ -438,6 +441,8 @@ class DecoderLayer(nn.Module):
         )
         d, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_weight_offset
         self.layout = config.norm_layout
+        self.residual_scale = config.residual_multiplier
+        """Granite's scale of each block's output before its residual add (1: none)."""
         self.post_norms = self.layout == "post"
         self.sandwich_names = config.sandwich_norm_names
         if self.layout == "sandwich":  # Gemma 3, GLM-4: a norm before and after each block
@@ -464,6 +469,9 @@ class DecoderLayer(nn.Module):
         if self.post_norms:
             x_TD = x_TD + self.post_attention_layernorm(self.self_attn(x_TD, cos_TF, sin_TF, attn))
             return x_TD + self.post_feedforward_layernorm(self.mlp(x_TD))
+        if self.residual_scale != 1.0:  # Granite: in the model dtype, as transformers scales
+            x_TD = x_TD + self.self_attn(self.input_layernorm(x_TD), cos_TF, sin_TF, attn) * self.residual_scale
+            return x_TD + self.mlp(self.post_attention_layernorm(x_TD)) * self.residual_scale
         x_TD = x_TD + self.self_attn(self.input_layernorm(x_TD), cos_TF, sin_TF, attn)
         return x_TD + self.mlp(self.post_attention_layernorm(x_TD))
 
@@ -526,6 +534,8 @@ class Decoder(nn.Module):
         self.window_rope = RotaryCache(window_rope) if window_rope is not None else None
         """The window layers' RoPE tables where theirs differs (OLMo 3); the layers pick theirs by
         ``Attention.rope_slot`` from cos/sin stacked [2, T, F]."""
+        self.logit_map = LogitMap.of(config)
+        """What the model does to its head's product (Granite's divisor, Gemma 2's cap), or None."""
         self._cpu_packs = inference.CpuGemmPacks()
         """Filled by ``pack_cpu_gemms``: the oneDNN-packed weight copies (inference on CPU)."""
         self.reset_parameters()
@@ -619,6 +629,8 @@ class Decoder(nn.Module):
         if self.config.scale_embeddings:  # Gemma 3: by sqrt(hidden_size) rounded to the embeddings' dtype
             scale = torch.tensor(math.sqrt(self.config.hidden_size), dtype=self.model.embed_tokens.weight.dtype)
             x_TD = x_TD * scale.item()
+        if self.config.embedding_multiplier != 1.0:  # Granite: by its multiplier, in the embeddings' dtype
+            x_TD = x_TD * self.config.embedding_multiplier
         if isinstance(attn, (PackedCausalAttention, SharedPrefixAttention)):
             self.prepare_attention(attn, x_TD)
         cos_TF, sin_TF = self.rope_at(position_ids_T, x_TD.device, x_TD.dtype)
@@ -656,7 +668,8 @@ class Decoder(nn.Module):
         return self.model.norm(x_TD)
 
     def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
-        """[T, V] logits in the model dtype, or soft-capped in float32 where the model caps them (Gemma 2's
-        ``final_logit_softcapping``); use ``logprobs.py`` for chunked fp32 log-probs."""
+        """[T, V] logits in the model dtype, or mapped in float32 where the model maps them (``LogitMap``:
+        Granite's ``logits_scaling``, Gemma 2's ``final_logit_softcapping``); use ``logprobs.py`` for chunked
+        fp32 log-probs."""
         logits_TV = cpu_gemm.linear(hidden_TD, self.output_weight, None, self.__dict__.get("cpu_pack"))
-        return soft_cap(logits_TV, self.config.final_logit_softcapping)
+        return logits_TV if self.logit_map is None else self.logit_map(logits_TV)

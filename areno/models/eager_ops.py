@@ -6,8 +6,12 @@ Legend: T = tokens, H = heads, Dh = head dim, F = Dh / 2.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+from areno.models.config import ModelConfig
 
 
 def eager_glu(gate: torch.Tensor, up: torch.Tensor, *, gelu: bool = False) -> torch.Tensor:
@@ -22,6 +26,44 @@ def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     if cap is None:
         return x
     return torch.tanh(x.float() / cap) * cap
+
+
+@dataclass(frozen=True)
+class LogitMap:
+    """What a model does to its head's logits z before the softmax (and any temperature), in float32: ``z /
+    divisor`` (Granite's ``logits_scaling``), then ``cap * tanh(. / cap)`` (Gemma 2's ``final_logit_softcapping``).
+    Every place that makes logits or log-probs from the head applies it; ``of`` gives None for a model without."""
+
+    divisor: float = 1.0
+    cap: float | None = None
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> LogitMap | None:
+        """The map of ``config``'s head, or None where its logits are the product itself."""
+        divisor, cap = config.logits_scaling, config.final_logit_softcapping
+        return None if divisor == 1.0 and cap is None else cls(divisor, cap)
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        """The model's logits from the head's product ``z`` (float32)."""
+        if self.divisor != 1.0:
+            z = z.float() / self.divisor
+        return soft_cap(z, self.cap)
+
+    def derivative(self, c: torch.Tensor) -> torch.Tensor | float:
+        """dc/dz at the mapped logits ``c``: ``(1 - (c / cap)^2) / divisor`` (a new tensor), or ``1 / divisor``
+        without a cap."""
+        if self.cap is None:
+            return 1.0 / self.divisor
+        d = (c.float() / self.cap).square_().neg_().add_(1.0)
+        return d.div_(self.divisor) if self.divisor != 1.0 else d
+
+    def temperature_form(self, temperature: float) -> tuple[float, LogitMap | None]:
+        """``(temperature, map)`` of the same softmax with a divisor alone folded into the temperature
+        (``softmax(z / s / tau) = softmax(z / (s tau))``): the chunked heads then keep their model-dtype
+        logits and fused kernels, and their backward's division by the temperature is the map's derivative."""
+        if self.cap is None:
+            return temperature * self.divisor, None
+        return temperature, self
 
 
 def eager_rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:

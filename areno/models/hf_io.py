@@ -50,6 +50,7 @@ _TINY_ARCHS = {
     "smollm3": "SmolLM3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 
 
@@ -570,7 +571,9 @@ def tiny_config(
     ``arch``: llama, qwen2, qwen3, mistral, olmo2, olmo3 or gemma3 (a 16-token window in every layer but the
     last; gemma3's turning at base 1,000 there), gemma2 (a 16-token window in every other layer from the first,
     attention scores soft-capped at 5 and logits at 5, so that the caps act on a tiny model), phi3, glm4 (half of each head turned, by adjacent pairs),
-    ministral3 (queries scaled by position every 8 positions), smollm3 (no RoPE in layers 3, 7, ...), qwen3_moe,
+    ministral3 (queries scaled by position every 8 positions), granite (Llama's layers with Granite's
+    multipliers as its released models set them: embeddings times 12, scores scaled by 1 / head_dim, block outputs
+    times 0.22, logits divided by 8), smollm3 (no RoPE in layers 3, 7, ...), qwen3_moe,
     mixtral (4 experts, top-2, each half the dense MLP's width) or gpt_oss (those experts with biases and the
     clamped SwiGLU, attention biases and sinks, a 16-token window in every other layer from the first). ``kw`` overrides any other ModelConfig field
     (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``). Token ids default to the char
@@ -622,6 +625,9 @@ def tiny_config(
         fields["query_position_scale"] = (0.1, 8)
     if arch == "glm4":  # half of each head turned, adjacent pairs together
         fields.update(partial_rotary_factor=0.5, rope_interleaved=True)
+    if arch == "granite":
+        fields.update(embedding_multiplier=12.0, attention_multiplier=1.0 / (hidden_size // heads))
+        fields.update(residual_multiplier=0.22, logits_scaling=8.0, tie_word_embeddings=True)
     if arch == "smollm3":
         fields["nope_layers"] = tuple(i for i in range(layers) if (i + 1) % 4 == 0)
     if arch in ("qwen3_moe", "mixtral", "gpt_oss"):

@@ -173,7 +173,10 @@ def forward_add_norm(
     (``fused_ops.add_rms_norm``): the post-attention norm, the next layer's input norm, and the
     final norm after the last layer. Same values as the layer-by-layer loop, except where a dense
     MLP's ``decode_partials`` serves (``decode_mlp``: its GEMMs summed in another order). The
-    post-norm and sandwich layouts (``DecoderLayer.layout``) take ``forward_norm_add_norm``."""
+    post-norm and sandwich layouts (``DecoderLayer.layout``) take ``forward_norm_add_norm``. Granite's
+    ``residual_scale`` scales each block's output in the model dtype before the fused add, as the layer does;
+    its MLPs take no ``decode_partials`` (the kernel sums them unscaled into the residual)."""
+    assert layers[0].layout == "pre" or layers[0].residual_scale == 1.0, "a residual scale is Granite's (pre-norm)"
     if layers[0].layout != "pre":
         # every layer is built from one config: the first's norms stand for all
         if not fused_ops.norms_fit_norm_add_norm([final_norm, *_norms(layers[0])]):
@@ -182,16 +185,22 @@ def forward_add_norm(
             return final_norm(x_TD)
         return forward_norm_add_norm(layers, final_norm, x_TD, cos_TF, sin_TF, attn)
     h_TD = layers[0].input_layernorm(x_TD)
+    scale = layers[0].residual_scale  # one config builds every layer
+
+    def scaled(branch_TD: torch.Tensor) -> torch.Tensor:
+        return branch_TD if scale == 1.0 else branch_TD * scale
+
     for i, layer in enumerate(layers):
         post = layer.post_attention_layernorm
-        x_TD, h_TD = fused_ops.add_rms_norm(x_TD, layer.self_attn(h_TD, cos_TF, sin_TF, attn), post.weight, post.eps)
+        branch_TD = scaled(layer.self_attn(h_TD, cos_TF, sin_TF, attn))
+        x_TD, h_TD = fused_ops.add_rms_norm(x_TD, branch_TD, post.weight, post.eps)
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
-        parts = getattr(layer.mlp, "decode_partials", None)  # the dense MLP's split down projection
+        parts = getattr(layer.mlp, "decode_partials", None) if scale == 1.0 else None  # the split down projection
         parts_PTD = parts(h_TD) if parts is not None else None
         if parts_PTD is not None:
             x_TD, h_TD = fused_ops.add_parts_rms_norm(x_TD, parts_PTD, nxt.weight, nxt.eps)
         else:
-            x_TD, h_TD = fused_ops.add_rms_norm(x_TD, layer.mlp(h_TD), nxt.weight, nxt.eps)
+            x_TD, h_TD = fused_ops.add_rms_norm(x_TD, scaled(layer.mlp(h_TD)), nxt.weight, nxt.eps)
     return h_TD
 
 

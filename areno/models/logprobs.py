@@ -15,10 +15,11 @@ model-dtype logits when they fit ``keep_logits_budget`` (an eighth of a GPU's me
 of what is free), and the largest keep nothing, so backward recomputes each chunk's logits and
 peak memory is one chunk of ``[chunk_size, V]`` logits in both passes. Keeping saves backward's
 recomputing matmul; the values are the same either way. The matmul runs in the model dtype and
-the softmax in fp32, as ``Decoder.logits(...).float()`` would. A soft-capped head (Gemma 2's
-``final_logit_softcapping``) caps each chunk's logits in fp32 first (``eager_ops.soft_cap``) and keeps
-no log-softmax: backward needs the capped logits for the tanh's derivative, so it keeps those where they
-fit and recomputes them otherwise.
+the softmax in fp32, as ``Decoder.logits(...).float()`` would. A model's map of its logits
+(``eager_ops.LogitMap``: Granite's ``logits_scaling``, Gemma 2's ``final_logit_softcapping``) is applied to
+each chunk: a divisor alone is folded into the temperature (the same softmax); a soft-capped head caps each
+chunk's logits in fp32 first and keeps no log-softmax: backward needs the capped logits for the tanh's
+derivative, so it keeps those where they fit and recomputes them otherwise.
 
 Legend: T = packed tokens, D = hidden size, V = vocabulary, B = sequences, C = tokens of a chunk.
 """
@@ -36,7 +37,7 @@ import torch
 from areno.models import cpu_gemm
 from areno.models.attention import PackedCausalAttention
 from areno.models.decoder import Decoder
-from areno.models.eager_ops import soft_cap
+from areno.models.eager_ops import LogitMap
 from areno.models.fused_ops import thread_flag
 from areno.types import repeat_per_sequence
 
@@ -176,10 +177,12 @@ def _fused_grad_logits(
     inv_tau: float,
     use_entropy: bool,
     softcap: float | None = None,
+    divisor: float = 1.0,
 ) -> torch.Tensor:
     """dL/d(zraw) [C, V] in the logits' dtype: ``(g [v = target] - p (g + g_H (log p + H))) / tau``,
     one fused pass for torch.compile (the one-hot is a comparison, not a scatter). ``softcap``: ``zraw`` holds
-    capped logits c = cap tanh(z / cap), and the gradient reaches z through dc/dz = 1 - (c / cap)^2."""
+    mapped logits c = cap tanh(z / divisor / cap) (``LogitMap``), and the gradient reaches z through dc/dz =
+    (1 - (c / cap)^2) / divisor."""
     logp_CV = zraw_CV.float() * inv_tau - lse_C[:, None]
     p_CV = torch.exp(logp_CV)
     if use_entropy:
@@ -191,7 +194,7 @@ def _fused_grad_logits(
     grad_CV = (onehot_CV * g_C[:, None] - p_CV * coef_CV) * inv_tau
     if softcap is not None:
         c_CV = zraw_CV.float() / softcap
-        grad_CV = grad_CV * (1.0 - c_CV * c_CV)
+        grad_CV = grad_CV * ((1.0 - c_CV * c_CV) / divisor)
     return grad_CV.to(zraw_CV.dtype)
 
 
@@ -335,6 +338,11 @@ def _logits(
     return torch.ops.mkldnn._linear_pointwise(h_CD.contiguous(), packed, None, "none", [], "")
 
 
+def _mapped(z_CV: torch.Tensor, logit_map: LogitMap | None) -> torch.Tensor:
+    """A chunk's logits through the model's map (``LogitMap``), or as they are without one."""
+    return z_CV if logit_map is None else logit_map(z_CV)
+
+
 _KERNELS: tuple | None = None
 """The two compiled kernels, built once per process on first use."""
 _ACTIVE = threading.local()
@@ -359,11 +367,13 @@ def compiled_logprob_kernels(enabled: bool = True) -> Iterator[None]:
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """(hidden_TD, weight_VD, targets_T) -> (logprobs_T, entropy_T), chunked in both passes; ``softcap``: the
-    logits soft-capped first (``final_logit_softcapping``)."""
+    """(hidden_TD, weight_VD, targets_T) -> (logprobs_T, entropy_T), chunked in both passes; ``logit_map``: the
+    model's map of its logits (``LogitMap``), applied first."""
 
     @staticmethod
-    def forward(ctx, hidden_TD, weight_VD, targets_T, temperature, chunk_size, with_entropy, softcap=None):
+    def forward(ctx, hidden_TD, weight_VD, targets_T, temperature, chunk_size, with_entropy, logit_map=None):
+        if logit_map is not None:  # a divisor alone becomes a temperature factor; what is left caps
+            temperature, logit_map = logit_map.temperature_form(temperature)
         T = hidden_TD.shape[0]
         fused = _KERNELS if getattr(_ACTIVE, "enabled", False) else None
         logprobs_T = hidden_TD.new_empty(T, dtype=torch.float32)
@@ -373,7 +383,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ctx.fused = fused
         grads = any(ctx.needs_input_grad[:2])
         # a capped head keeps its capped logits instead (kept_z): backward's tanh derivative reads them
-        keep = fused is None and grads and T * weight_VD.shape[0] * 4 <= KEEP_LOGSOFTMAX_MAX_BYTES and softcap is None
+        keep = fused is None and grads and T * weight_VD.shape[0] * 4 <= KEEP_LOGSOFTMAX_MAX_BYTES and logit_map is None
         ctx.kept = [] if keep else None
         # with entropy, forward exponentiates the log-softmax anyway: backward reuses it when both fit
         keep_p = keep and with_entropy and 2 * T * weight_VD.shape[0] * 4 <= KEEP_LOGSOFTMAX_MAX_BYTES
@@ -399,7 +409,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             ctx.p_TV = hidden_TD.new_empty(T, weight_VD.shape[0], dtype=torch.float32)
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
-            zraw_CV = soft_cap(_logits(hidden_TD[s:e], weight_mm_VD, ctx.packed, ctx.fp32), softcap)
+            zraw_CV = _mapped(_logits(hidden_TD[s:e], weight_mm_VD, ctx.packed, ctx.fp32), logit_map)
             if s == 0 and grads and not keep:
                 if T * weight_VD.shape[0] * zraw_CV.element_size() <= keep_logits_budget(hidden_TD.device):
                     ctx.kept_z = []
@@ -432,7 +442,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 ctx.kept.append(logp_CV)
         ctx.save_for_backward(hidden_TD, weight_VD, targets_T, lse_T, entropy_T)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
-        ctx.softcap = softcap
+        ctx.logit_map = logit_map
         # Backward runs outside the caller's autocast: record it here so the recomputed logits and
         # the two gradient matmuls run in the dtype forward's did (bf16 under the one-GPU backend's
         # autocast with fp32 weights; without this they ran as fp32 GEMMs, ~2x the step time).
@@ -487,7 +497,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 zraw_CV, kept_z[i] = kept_z[i], None
             # else forward's matmul again, so kept and recomputed logits give the same gradients
             elif kept is None and kept_p is None:
-                zraw_CV = soft_cap(_logits(hidden_TD[s:e], weight_z_VD, ctx.packed, ctx.fp32), ctx.softcap)
+                zraw_CV = _mapped(_logits(hidden_TD[s:e], weight_z_VD, ctx.packed, ctx.fp32), ctx.logit_map)
             if fused is not None:
                 g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
                 g_ent_C = grad_entropy_T[s:e] if use_entropy else g_C
@@ -500,7 +510,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     g_ent_C,
                     1.0 / tau,
                     use_entropy,
-                    ctx.softcap,
+                    *((ctx.logit_map.cap, ctx.logit_map.divisor) if ctx.logit_map is not None else ()),
                 )
                 del zraw_CV
                 if grad_z_CV.dtype != gemm_dtype:  # float32 (or capped) logits give a float32 gradient
@@ -522,8 +532,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     logp_CV = _log_softmax(zraw_CV, tau)
                 if kept_p is None:  # in place where logp is not read again
                     p_CV = logp_CV.exp() if use_entropy else logp_CV.exp_()
-            # the cap's derivative 1 - (c / cap)^2 from the capped logits c, before they go
-            dcap_CV = None if ctx.softcap is None else (zraw_CV / ctx.softcap).square_().neg_().add_(1.0)
+            # the map's derivative (1 - (c / cap)^2) / divisor from the capped logits c, before they go
+            dcap_CV = None if ctx.logit_map is None else ctx.logit_map.derivative(zraw_CV)
             del zraw_CV  # a kept chunk's memory goes back as backward moves on
             g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
             # d logp[target]/dz_j = onehot_j - p_j;  d H/dz_j = -p_j (logp_j + H)   (H = -sum p logp)
@@ -557,9 +567,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
 
 ShardedLogprobsFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, float, int, bool, float | None], tuple[torch.Tensor, torch.Tensor | None]
+    [torch.Tensor, torch.Tensor, torch.Tensor, float, int, bool, LogitMap | None],
+    tuple[torch.Tensor, torch.Tensor | None],
 ]
-"""``(hidden_TD, weight_VD, targets_T, temperature, chunk_size, with_entropy, softcap) -> (logprobs_T,
+"""``(hidden_TD, weight_VD, targets_T, temperature, chunk_size, with_entropy, logit_map) -> (logprobs_T,
 entropy_T)``."""
 
 ShardedArgmaxFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -603,11 +614,11 @@ def logprobs_from_hidden(
     chunk_size: int = 2048,
     *,
     with_entropy: bool = False,
-    softcap: float | None = None,
+    logit_map: LogitMap | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Row-wise ``log softmax(hidden_TD[t] @ weight_VD.T / temperature)[targets_T[t]]`` (fp32 [T]),
-    and the entropy of each row's distribution when ``with_entropy``. ``softcap``: the model's
-    ``final_logit_softcapping``, each logit z capped to ``softcap * tanh(z / softcap)`` before the temperature.
+    and the entropy of each row's distribution when ``with_entropy``. ``logit_map``: the model's map of its
+    logits (``LogitMap.of(config)``: Granite's divisor, Gemma 2's cap), applied before the temperature.
     Differentiable w.r.t. hidden and weight; no alignment shift is applied here."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score log-probs, got {temperature}")
@@ -616,10 +627,16 @@ def logprobs_from_hidden(
     for is_sharded, sharded_fn in _SHARDED_WEIGHT_IMPLS.items():
         if is_sharded(weight_VD):
             return sharded_fn(
-                hidden_TD, weight_VD, targets_T.long(), float(temperature), int(chunk_size), bool(with_entropy), softcap
+                hidden_TD,
+                weight_VD,
+                targets_T.long(),
+                float(temperature),
+                int(chunk_size),
+                bool(with_entropy),
+                logit_map,
             )
     logprobs_T, entropy_T = _ChunkedLogprobs.apply(
-        hidden_TD, weight_VD, targets_T.long(), float(temperature), int(chunk_size), bool(with_entropy), softcap
+        hidden_TD, weight_VD, targets_T.long(), float(temperature), int(chunk_size), bool(with_entropy), logit_map
     )
     return logprobs_T, (entropy_T if with_entropy else None)
 
@@ -669,7 +686,7 @@ def packed_logprobs(
         temperature,
         chunk_size,
         with_entropy=with_entropy,
-        softcap=model.config.final_logit_softcapping,
+        logit_map=LogitMap.of(model.config),
     )
     zero = lp.new_zeros(1)
     is_first_T = position_ids_T == 0

@@ -32,7 +32,7 @@ import torch
 
 from areno.errors import ConfigError
 from areno.models import decode_mlp, fused_linear, fused_ops
-from areno.models.eager_ops import soft_cap
+from areno.models.eager_ops import LogitMap
 from areno.models.logprobs import Fp32HeadCopy, fp32_product
 from areno.models.vision import ImageInputs, mrope_positions, position_delta
 from areno.observe.trace import instant, span
@@ -624,16 +624,16 @@ class RolloutEngine:
 
     def _logits(self, hidden_BD: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [B, V]: fp32 on CPU, the model's dtype on CUDA (the sampler reads
-        them in fp32, exactly the values of a cast); a soft-capped head's (Gemma 2's
-        ``final_logit_softcapping``) capped in fp32 on both, as the trainer's log-probs cap them."""
-        cap = self.model_config.final_logit_softcapping
+        them in fp32, exactly the values of a cast); a mapped head's (``LogitMap``: Granite's ``logits_scaling``,
+        Gemma 2's ``final_logit_softcapping``) mapped in fp32 on both, as the trainer's log-probs map them."""
+        mapped = LogitMap.of(self.model_config) or (lambda z_BV: z_BV)
         fp32 = self._fp32_logits(hidden_BD)
         if fp32 is not None:
-            return soft_cap(fp32, cap)
+            return mapped(fp32)
         weight_VD = getattr(self.model, "output_weight", None)
         pack = self.model.__dict__.get("cpu_pack")  # RolloutEngineConfig.cpu_packed_gemm
         if pack is not None and pack.applies(hidden_BD):
-            return soft_cap(pack(hidden_BD, None).float(), cap)
+            return mapped(pack(hidden_BD, None).float())
         if (
             self.device.type == "cpu"
             and weight_VD is not None
@@ -646,8 +646,8 @@ class RolloutEngine:
             out_BV = hidden_BD.new_empty(hidden_BD.shape[0], V)
             for s in range(0, V, c):
                 torch.mm(hidden_BD, weight_VD[s : s + c].t(), out=out_BV[:, s : s + c])
-            return soft_cap(out_BV.float(), cap)
-        logits_BV = self.model.logits(hidden_BD)  # capped by the model where it caps
+            return mapped(out_BV.float())
+        logits_BV = self.model.logits(hidden_BD)  # mapped by the model where it maps
         # CUDA: no fp32 copy of [B, V] per decode step (~28 us at 64 x 151,936 on an H200); the
         # fused draw upcasts on load, the eager one in its first fp32 op
         return logits_BV if logits_BV.is_cuda else logits_BV.float()

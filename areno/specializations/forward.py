@@ -16,6 +16,7 @@ from torch import nn
 from areno.errors import DataError
 from areno.models import prefix_sharing
 from areno.models.attention import PackedCausalAttention
+from areno.models.eager_ops import LogitMap
 from areno.models.logprobs import (
     argmax_from_hidden,
     auto_chunk_size,
@@ -146,9 +147,9 @@ def token_logprobs_T(
     targets_K = host_to_device(targets_T[rows_host_K], device) if on_host else targets_T[rows_K]
     if chunk_size is None:
         chunk_size = auto_chunk_size(pred_KD, weight_VD)
-    softcap = getattr(model.config, "final_logit_softcapping", None)  # a wrapper's config is its decoder's
+    logit_map = LogitMap.of(model.config)  # a wrapper's config is its decoder's
     logp_K, ent_K = logprobs_from_hidden(
-        pred_KD, weight_VD, targets_K, temperature, chunk_size, with_entropy=with_entropy, softcap=softcap
+        pred_KD, weight_VD, targets_K, temperature, chunk_size, with_entropy=with_entropy, logit_map=logit_map
     )
     out = {"logprobs_T": _scatter_T(logp_K, rows_K, T)}
     if with_entropy:

@@ -18,9 +18,11 @@ in one all-reduce: two collectives per chunk. Backward recomputes the slice and
 uses ``dL/dz_j = g [j = target] - p_j (g + g_H (log p_j + H))`` on the shard, so the weight
 gradient of this rank's rows is exact locally and the hidden-state gradient is the sum over ranks
 of ``dz @ W_shard`` (one all-reduce per micro-batch). The hidden states are replicated over the TP
-ranks (no sequence parallelism), as ``parallelize.apply_tp`` lays the model out. A soft-capped head
-(Gemma 2's ``final_logit_softcapping``) caps each logit of the slice on its own before the temperature, and
-backward multiplies ``dL/dz`` by the cap's derivative ``1 - (c / cap)^2`` from the recomputed capped slice.
+ranks (no sequence parallelism), as ``parallelize.apply_tp`` lays the model out. The model's map of its
+logits (``eager_ops.LogitMap``) acts on each logit on its own: a divisor alone (Granite's ``logits_scaling``)
+is folded into the temperature; a soft-capped head (Gemma 2's ``final_logit_softcapping``) caps each logit of
+the slice before the temperature, and backward multiplies ``dL/dz`` by the map's derivative ``(1 - (c /
+cap)^2) / divisor`` from the recomputed capped slice.
 
 Legend: T = packed tokens, D = hidden size, V = vocabulary, C = tokens of a chunk, Vs = ceil(V / tp).
 """
@@ -30,19 +32,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from areno.models.eager_ops import soft_cap
+from areno.models.eager_ops import LogitMap
 from areno.models.logprobs import _ChunkedLogprobs, fp32_logits_enabled, fp32_product, register_sharded_weight
 from areno.train.dtensor import is_dtensor
 
 
 def _slice_logits(
-    h_CD: torch.Tensor, w_VsD: torch.Tensor, temperature: float, softcap: float | None = None
+    h_CD: torch.Tensor, w_VsD: torch.Tensor, temperature: float, logit_map: LogitMap | None = None
 ) -> torch.Tensor:
     if fp32_logits_enabled():  # model.fp32_logits: the shard's product in the hidden states' dtype, fp32 out
         z_CVs = fp32_product(h_CD, w_VsD.to(h_CD.dtype))
     else:
         z_CVs = (h_CD @ w_VsD.t()).float()
-    z_CVs = soft_cap(z_CVs, softcap)
+    if logit_map is not None:
+        z_CVs = logit_map(z_CVs)
     return z_CVs / temperature if temperature != 1.0 else z_CVs
 
 
@@ -50,7 +53,9 @@ class _VocabParallelLogprobs(torch.autograd.Function):
     """(hidden_TD, shard_VsD, targets_T) -> (logprobs_T, entropy_T) over a vocab-sharded head."""
 
     @staticmethod
-    def forward(ctx, hidden_TD, w_VsD, targets_T, vocab_start, group, temperature, chunk_size, with_entropy, softcap):
+    def forward(ctx, hidden_TD, w_VsD, targets_T, vocab_start, group, temperature, chunk_size, with_entropy, logit_map):
+        if logit_map is not None:  # a divisor alone becomes a temperature factor; what is left caps
+            temperature, logit_map = logit_map.temperature_form(temperature)
         T, Vs = hidden_TD.shape[0], w_VsD.shape[0]
         local_T = targets_T - vocab_start
         in_shard_T = (local_T >= 0) & (local_T < Vs)
@@ -60,7 +65,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         entropy_T = hidden_TD.new_empty(T, dtype=torch.float32)
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
-            z_CVs = _slice_logits(hidden_TD[s:e], w_VsD, temperature, softcap)
+            z_CVs = _slice_logits(hidden_TD[s:e], w_VsD, temperature, logit_map)
             m_C = z_CVs.amax(dim=-1)
             dist.all_reduce(m_C, op=dist.ReduceOp.MAX, group=group)
             z_t_C = z_CVs.gather(-1, local_T[s:e, None])[:, 0] * in_shard_T[s:e]
@@ -75,7 +80,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             entropy_T[s:e] = a_C.log() - b_C / a_C
         ctx.save_for_backward(hidden_TD, w_VsD, local_T, in_shard_T, lse_T, entropy_T)
         ctx.group, ctx.temperature, ctx.chunk_size, ctx.with_entropy = group, temperature, chunk_size, with_entropy
-        ctx.softcap = softcap
+        ctx.logit_map = logit_map
         if not with_entropy:
             entropy_T = entropy_T[:0]
         return logprobs_T, entropy_T
@@ -91,9 +96,9 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         grad_w_VsD = torch.zeros_like(w_VsD, dtype=torch.float32) if need_w else None
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
-            z_CVs = _slice_logits(hidden_TD[s:e], w_VsD, tau, ctx.softcap)
-            # the cap's derivative 1 - (c / cap)^2, c = tau z the capped logits
-            dcap_CVs = None if ctx.softcap is None else (z_CVs * (tau / ctx.softcap)).square_().neg_().add_(1.0)
+            z_CVs = _slice_logits(hidden_TD[s:e], w_VsD, tau, ctx.logit_map)
+            # the map's derivative at c = tau z, the capped logits
+            dcap_CVs = None if ctx.logit_map is None else ctx.logit_map.derivative(z_CVs * tau)
             logp_CVs = z_CVs.sub_(lse_T[s:e, None])
             p_CVs = logp_CVs.exp()
             g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
@@ -127,7 +132,7 @@ def dtensor_logprobs(
     temperature: float,
     chunk_size: int,
     with_entropy: bool,
-    softcap: float | None = None,
+    logit_map: LogitMap | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``logprobs_from_hidden`` for a DTensor output projection: vocab-parallel when it is sharded
     on dim 0 over one mesh dimension (replicated over any others), else on the local full copy."""
@@ -135,10 +140,12 @@ def dtensor_logprobs(
         hidden_TD = hidden_TD.full_tensor()
     w_local, vocab_start, group = _vocab_shard(weight_VD)
     if group is None:
-        lp, ent = _ChunkedLogprobs.apply(hidden_TD, w_local, targets_T, temperature, chunk_size, with_entropy, softcap)
+        lp, ent = _ChunkedLogprobs.apply(
+            hidden_TD, w_local, targets_T, temperature, chunk_size, with_entropy, logit_map
+        )
         return lp, (ent if with_entropy else None)
     lp, ent = _VocabParallelLogprobs.apply(
-        hidden_TD, w_local, targets_T, vocab_start, group, temperature, chunk_size, with_entropy, softcap
+        hidden_TD, w_local, targets_T, vocab_start, group, temperature, chunk_size, with_entropy, logit_map
     )
     return lp, (ent if with_entropy else None)
 

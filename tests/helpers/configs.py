@@ -123,10 +123,10 @@ def run_to_end(cfg) -> list[dict]:
     return read_metrics(Path(cfg.run_dir))
 
 
-def grpo_rewards_on_tiny(tmp_path: Path, init_tiny: str) -> list[float]:
+def grpo_rewards_on_tiny(tmp_path: Path, init_tiny: str, lr: float = 0.02) -> list[float]:
     """Each step's mean reward of a 12-step seeded GRPO run on the demo's digit reward (``sevens``) with the
     tiny model ``init_tiny`` (a ``model.init_tiny={...}`` override; ``model.init_tiny=null``: the checkpoint
-    in ``tmp_path / "model"``): what a model family's learning test reads."""
+    in ``tmp_path / "model"``) at learning rate ``lr``: what a model family's learning test reads."""
     cfg = load_config(
         None,
         [
@@ -134,7 +134,7 @@ def grpo_rewards_on_tiny(tmp_path: Path, init_tiny: str) -> list[float]:
             init_tiny,
             "reward.fn=tests.helpers.rewards:sevens",
             "reward.sandbox=false",
-            "optim.lr=0.02",
+            f"optim.lr={lr}",
             "train.steps=12",
             "train.eval_interval=0",
             "train.seed=1",

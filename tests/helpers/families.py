@@ -85,13 +85,13 @@ def assert_engine_decodes_as_recompute(model, config, **engine_kw) -> None:
         assert out.output_ids == naive_greedy(model, prompt, 10)[0]
 
 
-def grpo_learns_and_exports(tmp_path, arch: str, extra: str = "") -> dict:
-    """A 12-step GRPO run on a tiny ``arch`` model (``extra``: more ``init_tiny`` keys, ", key: value")
-    raises the demo reward; returns the config.json of its last checkpoint's export."""
+def grpo_learns_and_exports(tmp_path, arch: str, extra: str = "", lr: float = 0.02) -> dict:
+    """A 12-step GRPO run on a tiny ``arch`` model (``extra``: more ``init_tiny`` keys, ", key: value") at
+    learning rate ``lr`` raises the demo reward; returns the config.json of its last checkpoint's export."""
     from tests.helpers.configs import grpo_rewards_on_tiny
 
     init = f"model.init_tiny={{arch: {arch}, hidden_size: 32, layers: 2, heads: 2, kv_heads: 1, intermediate_size: 64"
-    rewards = grpo_rewards_on_tiny(tmp_path, init + extra + "}")
+    rewards = grpo_rewards_on_tiny(tmp_path, init + extra + "}", lr)
     assert len(rewards) == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     exported = json.loads((tmp_path / "run" / "checkpoints" / "step_00000012" / "hf" / "config.json").read_text())

@@ -57,10 +57,10 @@ def naive_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[floa
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=10, ignore_eos=True, seed=11)
-ARCHS = ["qwen2", "llama", "olmo2", "olmo3", "gemma3", "smollm3", "glm4", "gemma2"]
+ARCHS = ["qwen2", "llama", "olmo2", "olmo3", "gemma3", "smollm3", "glm4", "gemma2", "granite"]
 """q/k/v bias, no bias, q/k norms and post-block norms, a window in some layers only, GeGLU and norms
 around each block, a NoPE layer, half of each head turned by adjacent pairs with norms around each block in
-the model dtype, soft-capped attention scores and logits."""
+the model dtype, soft-capped attention scores and logits, scaled embeddings, scores, block outputs and logits."""
 
 
 def model_of(arch: str, seed: int = 0) -> tuple[Decoder, object]:

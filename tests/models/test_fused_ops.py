@@ -165,13 +165,14 @@ def test_kernel_switch_turns_on_only_after_its_self_check(monkeypatch, caplog):
     assert switch.enable("good") is False and not switch.on and calls == ["bad", "good"]
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "granite"])  # granite: each block's output scaled before the add
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_residual_norm_loop_equals_the_layer_loop(monkeypatch, dtype):
+def test_fused_residual_norm_loop_equals_the_layer_loop(monkeypatch, dtype, arch):
     """The forward that fuses each residual add with the RMSNorm after it (taken on CUDA when the
     add+RMSNorm kernel is on) gives exactly the layer-by-layer forward's values: run here with the
     eager reference of the fused op, so the restructured loop itself is what is checked."""
     torch.manual_seed(0)
-    config = tiny_config(64, hidden_size=32, layers=3, heads=4, kv_heads=2, initializer_range=0.2)
+    config = tiny_config(64, arch=arch, hidden_size=32, layers=3, heads=4, kv_heads=2, initializer_range=0.2)
     model = Decoder(config).to(dtype).eval()
     ids = torch.randint(0, 64, (19,))
     pos = torch.cat([torch.arange(7), torch.arange(12)])
@@ -210,7 +211,7 @@ def test_add_norm_stays_off_without_the_fused_kernels():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fused_projections", [True, False])
-@pytest.mark.parametrize("arch", ["qwen2", "olmo2", "gemma3"])  # pre, post and sandwich norms
+@pytest.mark.parametrize("arch", ["qwen2", "olmo2", "gemma3", "granite"])  # pre, post, sandwich norms; scaled blocks
 def test_fused_kernel_routing_equals_the_eager_forward(monkeypatch, dtype, fused_projections, arch):
     torch.manual_seed(0)
     config = tiny_config(64, arch=arch, hidden_size=32, layers=3, heads=4, kv_heads=2, initializer_range=0.2)

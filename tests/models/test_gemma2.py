@@ -16,6 +16,7 @@ from transformers import Gemma2Config
 
 from areno.models import Decoder, ModelConfig, PackedCausalAttention, load_model, tiny_config
 from areno.models.attention import explicit_attention
+from areno.models.eager_ops import LogitMap
 from areno.models.logprobs import compiled_logprob_kernels, logprobs_from_hidden, packed_logprobs
 from areno.models.prefix_sharing import SharedPrefixAttention, plan
 from tests.helpers.families import (
@@ -104,7 +105,7 @@ def _capped_reference(h_TD, w_VD, targets_T, tau, cap):
 @pytest.mark.parametrize("with_entropy", [False, True])
 @pytest.mark.parametrize("mode", ["kept", "recomputed", "compiled"])
 def test_the_chunked_head_caps_its_logits_and_takes_the_tanh_derivative(monkeypatch, mode, with_entropy, tau):
-    """``logprobs_from_hidden`` with ``softcap``: the log-probs, entropies and gradients (hidden and weight) of
+    """``logprobs_from_hidden`` with a capping ``LogitMap``: the log-probs, entropies and gradients (hidden and weight) of
     autograd through ``cap * tanh(z / cap)``, whether backward reads the capped logits forward kept, recomputes
     them, or runs the compiled kernels."""
     from areno.models import logprobs as logprobs_module
@@ -121,7 +122,7 @@ def test_the_chunked_head_caps_its_logits_and_takes_the_tanh_derivative(monkeypa
         return (coef * lp).sum() + ((coef_ent * ent).sum() if with_entropy else 0.0)
 
     with compiled_logprob_kernels(mode == "compiled"):
-        lp, ent = logprobs_from_hidden(h, w, targets, tau, 6, with_entropy=with_entropy, softcap=3.0)
+        lp, ent = logprobs_from_hidden(h, w, targets, tau, 6, with_entropy=with_entropy, logit_map=LogitMap(1.0, 3.0))
         loss(lp, ent).backward()
     got = (lp.detach(), h.grad.clone(), w.grad.clone())
     h.grad = w.grad = None

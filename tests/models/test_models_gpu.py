@@ -37,6 +37,7 @@ def _ref_logprobs(ref, seqs):
         "phi3",
         "phi4_mini",
         "glm4",
+        "granite",
         "smollm3",
         "ministral3",
         "gpt_oss",

@@ -86,9 +86,10 @@ PHI4_MINI_ROPE = {
 # dimensions turned by LongRoPE's short factors, past the fused RoPE kernels; glm4: adjacent pairs of half
 # of each head turned, sandwich norms in the model dtype (past the fused add + norm kernels); gemma2: scores
 # soft-capped in every decode path (the paged kernel's cap, no prefill graphs) and logits capped, a 6-key window
-# in layer 0
+# in layer 0; granite: scaled embeddings, scores (q scaled: past the fused RoPE + KV kernel), block outputs (scaled
+# before the fused add + norm, no split-K MLP partials) and logits
 @pytest.mark.parametrize(
-    "arch", ["qwen2", "qwen3", "olmo3", "gemma3", "ministral3", "gpt_oss", "phi4_mini", "glm4", "gemma2"]
+    "arch", ["qwen2", "qwen3", "olmo3", "gemma3", "ministral3", "gpt_oss", "phi4_mini", "glm4", "gemma2", "granite"]
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_match_eager_on_gpu(dtype, arch):

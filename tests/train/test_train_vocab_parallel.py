@@ -13,11 +13,14 @@ from tests.helpers.train import spawn
 pytestmark = pytest.mark.slow  # two process start-ups: ~20 s CPU, over a minute on a loaded machine
 
 T, D = 11, 8
-CASES = [  # (vocab, temperature, chunk_size, with_entropy, softcap): 37 is odd, so the shards are uneven (19 + 18)
+CASES = [  # (vocab, temperature, chunk_size, with_entropy, (divisor, cap) of the head's LogitMap): 37 is odd, so
+    # the shards are uneven (19 + 18)
     (37, 1.0, 4, True, None),
     (36, 0.7, 16, True, None),
     (37, 1.3, 3, False, None),
-    (37, 0.8, 4, True, 3.0),  # Gemma 2's final soft-cap, small enough to bend most logits
+    (37, 0.8, 4, True, (1.0, 3.0)),  # Gemma 2's final soft-cap, small enough to bend most logits
+    (37, 0.9, 4, True, (8.0, None)),  # Granite's logits_scaling
+    (37, 1.0, 4, True, (2.0, 3.0)),  # both steps of the map
 ]
 
 
@@ -31,12 +34,14 @@ def _inputs(vocab: int):
     return hidden_TD, weight_VD, targets_T, coef_T, coef_ent_T
 
 
-def _scores(hidden_TD, weight_VD, targets_T, coef_T, coef_ent_T, temperature, chunk, with_entropy, softcap):
+def _scores(hidden_TD, weight_VD, targets_T, coef_T, coef_ent_T, temperature, chunk, with_entropy, mapping):
+    from areno.models.eager_ops import LogitMap
     from areno.models.logprobs import logprobs_from_hidden
 
     h = hidden_TD.clone().requires_grad_(True)
+    logit_map = None if mapping is None else LogitMap(*mapping)
     lp, ent = logprobs_from_hidden(
-        h, weight_VD, targets_T, temperature, chunk, with_entropy=with_entropy, softcap=softcap
+        h, weight_VD, targets_T, temperature, chunk, with_entropy=with_entropy, logit_map=logit_map
     )
     loss = (coef_T * lp).sum() + ((coef_ent_T * ent).sum() if with_entropy else 0.0)
     loss.backward()
@@ -52,12 +57,12 @@ def _worker(rank, world, out_dir):
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     results = []
-    for vocab, tau, chunk, with_entropy, cap in CASES:
+    for vocab, tau, chunk, with_entropy, mapping in CASES:
         hidden_TD, weight_VD, targets_T, coef_T, coef_ent_T = _inputs(vocab)
         case = {}
         for label, placement in (("sharded", Shard(0)), ("replicated", Replicate())):
             w = distribute_tensor(weight_VD, mesh, [placement]).requires_grad_(True)
-            lp, ent, grad_h = _scores(hidden_TD, w, targets_T, coef_T, coef_ent_T, tau, chunk, with_entropy, cap)
+            lp, ent, grad_h = _scores(hidden_TD, w, targets_T, coef_T, coef_ent_T, tau, chunk, with_entropy, mapping)
             case[label] = (
                 lp,
                 ent,
@@ -74,12 +79,13 @@ def _worker(rank, world, out_dir):
 def test_vocab_parallel_tp2_equals_tp1(tmp_path):
     spawn(_worker, 2, str(tmp_path), tmp=tmp_path)
     results = torch.load(tmp_path / "vp.pt", weights_only=True)
-    for (vocab, tau, chunk, with_entropy, cap), case in zip(CASES, results):
+    for (vocab, tau, chunk, with_entropy, mapping), case in zip(CASES, results):
         hidden_TD, weight_VD, targets_T, coef_T, coef_ent_T = _inputs(vocab)
         w = weight_VD.clone().requires_grad_(True)
-        lp, ent, grad_h = _scores(hidden_TD, w, targets_T, coef_T, coef_ent_T, tau, chunk, with_entropy, cap)
-        # the hand formula: log_softmax(cap tanh(h W^T / cap) / tau)[target]
-        z = hidden_TD.double() @ weight_VD.double().t()
+        lp, ent, grad_h = _scores(hidden_TD, w, targets_T, coef_T, coef_ent_T, tau, chunk, with_entropy, mapping)
+        # the hand formula: log_softmax(cap tanh(h W^T / divisor / cap) / tau)[target]
+        divisor, cap = mapping or (1.0, None)
+        z = hidden_TD.double() @ weight_VD.double().t() / divisor
         ref_logp = torch.log_softmax((z if cap is None else cap * torch.tanh(z / cap)) / tau, -1)
         torch.testing.assert_close(lp.double(), ref_logp.gather(-1, targets_T[:, None])[:, 0], rtol=0, atol=1e-5)
         assert case["sharded"][4] == (-(-vocab // 2), D)  # rank 0 holds only its rows
