@@ -138,6 +138,19 @@ CPU5M_GLM4 = {
     "partial_rotary_factor": 0.5,
     "attention_bias": True,
 }
+# and in Granite 3's (Llama's layers; granite-3.x-2b's multipliers: embeddings x 12, the softmax scale 1/64,
+# block outputs x 0.22 before each residual add, logits / 8)
+CPU5M_GRANITE = {
+    **CPU5M,
+    "architectures": ["GraniteForCausalLM"],
+    "model_type": "granite",
+    "head_dim": 64,
+    "attention_bias": False,
+    "embedding_multiplier": 12.0,
+    "attention_multiplier": 0.015625,
+    "residual_multiplier": 0.22,
+    "logits_scaling": 8.0,
+}
 # and in Phi-4-mini's (three quarters of each head turned, by LongRoPE's short factors within 4,096 positions)
 _SHORT = [1.0 + 0.05 * i for i in range(24)]
 CPU5M_PHI4_MINI = {
@@ -163,6 +176,7 @@ SHAPES = {
     "cpu5m-olmo2": (CPU5M_OLMO2, 34, 128),
     "cpu5m-gemma3": (CPU5M_GEMMA3, 34, 128),
     "cpu5m-glm4": (CPU5M_GLM4, 34, 128),
+    "cpu5m-granite": (CPU5M_GRANITE, 34, 128),
     "cpu5m-phi4mini": (CPU5M_PHI4_MINI, 34, 128),
 }
 SYSTEMS = (
@@ -786,7 +800,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shapes",
         default=None,
-        help="comma list of 0.5b,1.5b,olmo2-1b,gemma3-1b,tiny,cpu12m,cpu5m,cpu5m-olmo2,cpu5m-gemma3,cpu5m-glm4,cpu5m-phi4mini (default: 0.5b,1.5b on CUDA, tiny on CPU)",
+        help="comma list of 0.5b,1.5b,olmo2-1b,gemma3-1b,tiny,cpu12m,cpu5m,cpu5m-olmo2,cpu5m-gemma3,cpu5m-glm4,cpu5m-granite,cpu5m-phi4mini (default: 0.5b,1.5b on CUDA, tiny on CPU)",
     )
     p.add_argument("--systems", default="areno,areno_async,trl", help=f"comma list of {','.join(SYSTEMS)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system")
