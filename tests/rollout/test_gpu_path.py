@@ -84,13 +84,17 @@ PHI4_MINI_ROPE = {
 # ministral3: queries scaled by position (every 8 positions), past the fused RoPE kernels; gpt_oss: sinks in
 # every attention path, a 6-key window in layer 0, biased experts in CUDA graphs; phi4_mini: 6 of 8 head
 # dimensions turned by LongRoPE's short factors, past the fused RoPE kernels; glm4: adjacent pairs of half
-# of each head turned, sandwich norms in the model dtype (past the fused add + norm kernels)
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo3", "gemma3", "ministral3", "gpt_oss", "phi4_mini", "glm4"])
+# of each head turned, sandwich norms in the model dtype (past the fused add + norm kernels); ernie4_5: adjacent
+# pairs of whole heads turned in float32, biases on every projection; exaone4: a 6-key window in layer 0, layer 1
+# in full without RoPE (its q/k norms still applied), post-block norms in the model dtype
+@pytest.mark.parametrize(
+    "arch", ["qwen2", "qwen3", "olmo3", "gemma3", "ministral3", "gpt_oss", "phi4_mini", "glm4", "ernie4_5", "exaone4"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_match_eager_on_gpu(dtype, arch):
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 
-    kw = {"arch": arch, "sliding_window": 6} if arch in ("olmo3", "gemma3", "gpt_oss") else {"arch": arch}
+    kw = {"arch": arch, "sliding_window": 6} if arch in ("olmo3", "gemma3", "gpt_oss", "exaone4") else {"arch": arch}
     if arch == "phi4_mini":
         kw = {"arch": "phi3", "partial_rotary_factor": 0.75, "rope_scaling": PHI4_MINI_ROPE}
     model, cfg = make_model(0, **kw)
