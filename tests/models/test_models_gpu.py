@@ -37,6 +37,8 @@ def _ref_logprobs(ref, seqs):
         "phi3",
         "phi4_mini",
         "glm4",
+        "ernie4_5",
+        "exaone4",
         "smollm3",
         "ministral3",
         "gpt_oss",
