@@ -129,6 +129,16 @@ CPU5M_GEMMA3 = {
     "rope_local_base_freq": 10000.0,
     "tie_word_embeddings": True,
 }
+# and in Gemma 2's (Gemma 3's block without q/k norms, a 64-token window in every other layer, one RoPE base,
+# attention scores soft-capped at 50 and logits at 30 as the released models)
+CPU5M_GEMMA2 = {
+    **{k: v for k, v in CPU5M_GEMMA3.items() if k not in ("rope_local_base_freq", "rope_theta")},
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+}
 # and in GLM-4's (half of each head turned by adjacent pairs, norms around each block, q/k/v biases)
 CPU5M_GLM4 = {
     **CPU5M,
@@ -150,6 +160,25 @@ CPU5M_GRANITE = {
     "attention_multiplier": 0.015625,
     "residual_multiplier": 0.22,
     "logits_scaling": 8.0,
+}
+# and in Ernie 4.5's (whole heads turned by adjacent pairs in float32; no biases and tied embeddings, as its 0.3B)
+CPU5M_ERNIE45 = {
+    **CPU5M,
+    "architectures": ["Ernie4_5ForCausalLM"],
+    "model_type": "ernie4_5",
+    "head_dim": 64,
+    "use_bias": False,
+    "tie_word_embeddings": True,
+}
+# and in EXAONE 4's (per-head q/k norms, norms after each block, a 64-token window in three layers of four, the
+# fourth in full without RoPE)
+CPU5M_EXAONE4 = {
+    **CPU5M,
+    "architectures": ["Exaone4ForCausalLM"],
+    "model_type": "exaone4",
+    "head_dim": 64,
+    "sliding_window": 64,
+    "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
 }
 # and in Phi-4-mini's (three quarters of each head turned, by LongRoPE's short factors within 4,096 positions)
 _SHORT = [1.0 + 0.05 * i for i in range(24)]
@@ -175,9 +204,12 @@ SHAPES = {
     "cpu5m": (CPU5M, 34, 128),
     "cpu5m-olmo2": (CPU5M_OLMO2, 34, 128),
     "cpu5m-gemma3": (CPU5M_GEMMA3, 34, 128),
+    "cpu5m-gemma2": (CPU5M_GEMMA2, 34, 128),
     "cpu5m-glm4": (CPU5M_GLM4, 34, 128),
     "cpu5m-granite": (CPU5M_GRANITE, 34, 128),
     "cpu5m-phi4mini": (CPU5M_PHI4_MINI, 34, 128),
+    "cpu5m-ernie45": (CPU5M_ERNIE45, 34, 128),
+    "cpu5m-exaone4": (CPU5M_EXAONE4, 34, 128),
 }
 SYSTEMS = (
     "areno",
@@ -800,7 +832,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shapes",
         default=None,
-        help="comma list of 0.5b,1.5b,olmo2-1b,gemma3-1b,tiny,cpu12m,cpu5m,cpu5m-olmo2,cpu5m-gemma3,cpu5m-glm4,cpu5m-granite,cpu5m-phi4mini (default: 0.5b,1.5b on CUDA, tiny on CPU)",
+        help="comma list of 0.5b,1.5b,olmo2-1b,gemma3-1b,tiny,cpu12m,cpu5m,cpu5m-olmo2,cpu5m-gemma3,cpu5m-gemma2,cpu5m-glm4,cpu5m-granite,cpu5m-phi4mini,cpu5m-ernie45,cpu5m-exaone4 (default: 0.5b,1.5b on CUDA, tiny on CPU)",
     )
     p.add_argument("--systems", default="areno,areno_async,trl", help=f"comma list of {','.join(SYSTEMS)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system")

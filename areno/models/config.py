@@ -19,6 +19,13 @@ Supported architectures (``architectures[0]`` in ``config.json``) and what sets 
   embeddings (Phi-3-128k, Phi-3.5, Phi-4-mini) are refused; Phi-3-4k, Phi-3-medium and Phi-4 load.
 - ``SmolLM3ForCausalLM`` Llama's layers with no RoPE in every ``no_rope_layer_interval``-th layer
   (``nope_layers``, from config.json's ``no_rope_layers``).
+- ``Glm4ForCausalLM``    half of each head turned by adjacent pairs (``rope_interleaved``), norms around each
+  block under GLM's names, q/k/v biases, gate/up packed on disk.
+- ``Ernie4_5ForCausalLM`` (Ernie 4.5 dense) Llama's layers with a bias on every projection or none
+  (``use_bias``) and RoPE turning adjacent pairs over the whole head in float32 (``rope_in_float32``).
+- ``Exaone4ForCausalLM`` (EXAONE 4.0) OLMo 2's norms after each block (in the model dtype) with Qwen3's
+  per-head q/k norms; where a window is set (``sliding_window``, with ``layer_types`` or
+  ``sliding_window_pattern``), only the window layers turn by RoPE, the full ones none (``nope_layers``).
 - ``Olmo2ForCausalLM``   RMSNorm over the whole q and k projections (``qk_norm_scope="projection"``) and
   each block's norm on its output, before the residual add (``norm_layout="post"``); optional q/k/v/o bias.
 - ``Olmo3ForCausalLM``   OLMo 2's layers with a sliding window in some layers (``window_layers``) and a RoPE
@@ -77,6 +84,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "GptOssForCausalLM": "gpt_oss",
     "Glm4ForCausalLM": "glm4",
     "GraniteForCausalLM": "granite",
+    "Ernie4_5ForCausalLM": "ernie4_5",
+    "Exaone4ForCausalLM": "exaone4",
 }
 SEQUENCE_CLASSIFIER_SUFFIX = "ForSequenceClassification"
 """transformers' scalar-head layout (``score.weight`` [num_labels, hidden] on the decoder, no LM
@@ -95,6 +104,8 @@ GPT_OSS = "GptOssForCausalLM"
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", GPT_OSS)
 WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "Ministral3ForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 """The layouts transformers gives one sliding window in every layer (``sliding_window`` in config.json)."""
+EXAONE4 = "Exaone4ForCausalLM"
+ERNIE4_5 = "Ernie4_5ForCausalLM"
 LAYER_TYPE_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
@@ -104,6 +115,7 @@ LAYER_TYPE_ARCHITECTURES = (
     "Gemma3ForCausalLM",
     "Gemma2ForCausalLM",
     GPT_OSS,
+    EXAONE4,
 )
 """The layouts whose transformers class reads a window per layer (``layer_types``, or Qwen's
 ``use_sliding_window`` + ``max_window_layers``)."""
@@ -121,10 +133,11 @@ per layer type)."""
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
 GLM4 = "Glm4ForCausalLM"
 PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", GLM4)
+"""The layouts whose transformers class turns only the first ``partial_rotary_factor`` of each head (Phi-4-mini)."""
 GRANITE = "GraniteForCausalLM"
 LLAMA_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "SmolLM3ForCausalLM", GRANITE)
-"""The layouts whose transformers class reads Llama's ``mlp_bias``."""
-"""The layouts whose transformers class turns only the first ``partial_rotary_factor`` of each head (Phi-4-mini)."""
+"""The layouts whose transformers class reads Llama's ``mlp_bias`` (Ernie 4.5 reads ``use_bias``)."""
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *OLMO_ARCHITECTURES, GEMMA3, EXAONE4)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,8 +173,11 @@ class ModelConfig:
     """The share of each head's dimensions that RoPE turns (``rotary_dim``, the first ones); the rest pass
     unturned (Phi-4-mini: 0.75, GLM-4: 0.5)."""
     rope_interleaved: bool = False
-    """RoPE turns adjacent pairs of dimensions (0 with 1, 2 with 3: GLM-4) instead of each half's i-th with
-    the other's (transformers' ``rotate_half``)."""
+    """RoPE turns adjacent pairs of dimensions (0 with 1, 2 with 3: GLM-4, Ernie 4.5) instead of each half's
+    i-th with the other's (transformers' ``rotate_half``)."""
+    rope_in_float32: bool = False
+    """q and k turn in float32 by float32 cos/sin and are rounded once to their dtype (Ernie 4.5), instead of
+    by tables rounded to the model dtype (transformers' Llama)."""
     max_position_embeddings: int = 2048
     """Longest position the model was built for; RoPE tables are sized to it."""
     tie_word_embeddings: bool = False
@@ -180,7 +196,8 @@ class ModelConfig:
     norm_layout: str = "pre"
     """``pre``: each block reads a normed input (``input_layernorm``, ``post_attention_layernorm``: Llama);
     ``post``: each block's output is normed before its residual add (``post_attention_layernorm``,
-    ``post_feedforward_layernorm``; the weight applied in float32: OLMo 2); ``sandwich``: both
+    ``post_feedforward_layernorm``; the weight applied in float32: OLMo 2; in the model dtype, as Llama: EXAONE 4,
+    ``norms_scale_in_float32``); ``sandwich``: both
     (``input_layernorm`` and ``post_attention_layernorm`` around attention, ``pre_feedforward_layernorm`` and
     ``post_feedforward_layernorm`` around the MLP; in float32: Gemma 3; GLM-4 names them ``input_layernorm``,
     ``post_self_attn_layernorm``, ``post_attention_layernorm`` and ``post_mlp_layernorm`` and scales in the
@@ -195,7 +212,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     """Attention scores are scaled by this to the -1/2 (Gemma 3); None: by head_dim to the -1/2."""
     nope_layers: tuple[int, ...] = ()
-    """Layers that apply no RoPE to q and k (SmolLM3's ``no_rope_layers`` entries of 0)."""
+    """Layers that apply no RoPE to q and k (SmolLM3's ``no_rope_layers`` entries of 0; EXAONE 4's layers
+    without a window, where any layer has one)."""
     sliding_window: int | None = None
     """Sliding attention window (a query sees the last ``sliding_window`` keys) of the ``window_layers``, or None."""
     window_layers: tuple[int, ...] | None = None
@@ -319,6 +337,7 @@ class ModelConfig:
             object.__setattr__(self, "rope_scaling", _normalized_scaling(self.rope_scaling))
         self._check_rotary()
         self._check_windows()
+        self._check_global_nope()
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if self.mrope_section is not None:
@@ -344,9 +363,10 @@ class ModelConfig:
     def _check_arch_flags(self) -> None:
         """Only flag combinations that transformers' class for ``architecture`` can express."""
         arch = self.architecture
-        if self.qk_norm != (arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *OLMO_ARCHITECTURES, GEMMA3)):
+        if self.qk_norm != (arch in QK_NORM_ARCHITECTURES):
             raise ValueError(
-                f"qk_norm={self.qk_norm} is impossible for {arch} (only Qwen3, OLMo and Gemma 3 have q/k norms)"
+                f"qk_norm={self.qk_norm} is impossible for {arch} (only Qwen3, OLMo, Gemma 3 and EXAONE 4 have q/k "
+                "norms)"
             )
         gemma = (1.0, "gelu_pytorch_tanh", True) if arch in GEMMA_ARCHITECTURES else (0.0, "silu", False)
         if (self.norm_weight_offset, self.hidden_act, self.scale_embeddings) != gemma:
@@ -366,6 +386,7 @@ class ModelConfig:
             GEMMA2: ("head", "sandwich"),
             GEMMA3: ("head", "sandwich"),
             GLM4: ("head", "sandwich"),
+            EXAONE4: ("head", "post"),
         }
         scope, layout = layouts.get(arch, ("head", "pre"))
         if (self.qk_norm_scope, self.norm_layout) != (scope, layout):
@@ -390,24 +411,37 @@ class ModelConfig:
                 *GEMMA_ARCHITECTURES,
                 GPT_OSS,
                 GRANITE,
+                ERNIE4_5,
             )
             and self.attention_bias != self.attention_out_bias
         ):
             raise ValueError(f"{arch} biases q/k/v/o together: attention_bias must equal attention_out_bias")
-        if arch in ("MistralForCausalLM", MINISTRAL3, "MixtralForCausalLM", "Phi3ForCausalLM") and (
+        if arch in ("MistralForCausalLM", MINISTRAL3, "MixtralForCausalLM", "Phi3ForCausalLM", EXAONE4) and (
             self.attention_bias or self.attention_out_bias
         ):
             raise ValueError(f"{arch} has no attention bias")
         if arch == GLM4 and self.attention_out_bias:
             raise ValueError(f"{arch} has no o_proj bias (attention_bias is its q/k/v's)")
-        if self.rope_interleaved != (arch == GLM4):
-            raise ValueError(f"rope_interleaved={self.rope_interleaved} is impossible for {arch} (GLM-4's RoPE only)")
-        if self.mlp_bias and arch not in LLAMA_BIAS_ARCHITECTURES:
-            raise ValueError(f"mlp_bias=True is only expressible for {', '.join(LLAMA_BIAS_ARCHITECTURES)}, not {arch}")
-        object.__setattr__(self, "nope_layers", tuple(sorted({int(i) for i in self.nope_layers})))
-        if self.nope_layers and arch != "SmolLM3ForCausalLM":
+        if self.rope_interleaved != (arch in (GLM4, ERNIE4_5)):
             raise ValueError(
-                f"nope_layers (layers without RoPE) are only expressible for SmolLM3ForCausalLM, not {arch}"
+                f"rope_interleaved={self.rope_interleaved} is impossible for {arch} (GLM-4's and Ernie 4.5's RoPE only)"
+            )
+        if self.rope_in_float32 != (arch == ERNIE4_5):
+            raise ValueError(f"rope_in_float32={self.rope_in_float32} is impossible for {arch} (Ernie 4.5's RoPE only)")
+        if self.mlp_bias and arch not in (*LLAMA_BIAS_ARCHITECTURES, ERNIE4_5):
+            raise ValueError(
+                f"mlp_bias=True is only expressible for {', '.join((*LLAMA_BIAS_ARCHITECTURES, ERNIE4_5))}, not {arch}"
+            )
+        if arch == ERNIE4_5 and self.mlp_bias != self.attention_bias:
+            raise ValueError(
+                f"{arch} biases every projection or none (use_bias): attention_bias={self.attention_bias} and "
+                f"mlp_bias={self.mlp_bias} must be equal"
+            )
+        object.__setattr__(self, "nope_layers", tuple(sorted({int(i) for i in self.nope_layers})))
+        if self.nope_layers and arch not in ("SmolLM3ForCausalLM", EXAONE4):
+            raise ValueError(
+                f"nope_layers (layers without RoPE) are only expressible for SmolLM3ForCausalLM and {EXAONE4}, "
+                f"not {arch}"
             )
         if any(not 0 <= i < self.num_hidden_layers for i in self.nope_layers):
             raise ValueError(f"nope_layers {list(self.nope_layers)} must be layer indices < {self.num_hidden_layers}")
@@ -450,6 +484,19 @@ class ModelConfig:
         rope = {"rope_theta": float(theta), "rope_scaling": _normalized_scaling(scaling) if scaling else None}
         same = rope == {"rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling}
         object.__setattr__(self, "window_rope", None if same else rope)
+
+    def _check_global_nope(self) -> None:
+        """EXAONE 4's layers without RoPE are its layers without a window, where any layer has one
+        (transformers turns every layer where none does)."""
+        if self.architecture != EXAONE4:
+            return
+        n = self.num_hidden_layers
+        full = tuple(i for i in range(n) if self.layer_window(i) is None) if self.sliding_window else ()
+        if self.nope_layers != full:
+            raise ValueError(
+                f"{EXAONE4}: nope_layers {list(self.nope_layers)} must be its full-attention layers {list(full)} "
+                "(transformers turns only the window layers by RoPE where a window is set, every layer where none is)"
+            )
 
     def layer_window(self, layer_idx: int) -> int | None:
         """The attention window of layer ``layer_idx`` (None: every earlier key)."""
@@ -647,6 +694,12 @@ class ModelConfig:
             )
 
     @property
+    def norms_scale_in_float32(self) -> bool:
+        """Whether the RMSNorms scale in float32 and round once (OLMo 2's order) rather than round, then scale
+        in the model dtype (Llama's; EXAONE 4's norms after each block too). Gemma 3's offsets decide its own."""
+        return self.architecture in OLMO_ARCHITECTURES
+
+    @property
     def rotary_dim(self) -> int:
         """How many of each head's first dimensions RoPE turns (transformers' ``int(head_dim * factor)``)."""
         return int(self.head_dim * self.partial_rotary_factor)
@@ -741,6 +794,10 @@ class ModelConfig:
             qkv_bias = out_bias = False
         elif arch == GLM4:
             qkv_bias, out_bias = attn_bias, False
+        elif arch == ERNIE4_5:  # one key biases every projection, the MLP's too
+            qkv_bias = out_bias = bool(d.get("use_bias", False))
+        elif arch == EXAONE4:  # its class builds no bias whatever attention_bias says
+            qkv_bias = out_bias = False
         else:
             qkv_bias = out_bias = attn_bias
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
@@ -756,20 +813,17 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             partial_rotary_factor=_read_partial_rotary(d, 0.5 if arch == GLM4 else 1.0),
-            rope_interleaved=arch == GLM4,
+            rope_interleaved=arch in (GLM4, ERNIE4_5),
+            rope_in_float32=arch == ERNIE4_5,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             attention_out_bias=out_bias,
-            mlp_bias=bool(d.get("mlp_bias", False)) if arch in LLAMA_BIAS_ARCHITECTURES else False,
+            mlp_bias=_read_mlp_bias(arch, d),
             nope_layers=_nope_layers(arch, d),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *OLMO_ARCHITECTURES, GEMMA3),
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
             qk_norm_scope="projection" if arch in OLMO_ARCHITECTURES else "head",
-            norm_layout="post"
-            if arch in OLMO_ARCHITECTURES
-            else "sandwich"
-            if arch in (*GEMMA_ARCHITECTURES, GLM4)
-            else "pre",
+            norm_layout=_norm_layout(arch),
             **(_gemma_fields(arch, d) if arch in GEMMA_ARCHITECTURES else {}),
             **(_granite_fields(d) if arch == GRANITE else {}),
             sliding_window=sliding_window,
@@ -827,6 +881,8 @@ class ModelConfig:
             d["attention_bias"] = self.attention_bias
         if self.architecture in LLAMA_BIAS_ARCHITECTURES:
             d["mlp_bias"] = self.mlp_bias
+        if self.architecture == ERNIE4_5:
+            d["use_bias"] = self.attention_bias
         if self.partial_rotary_factor != 1 or self.architecture == GLM4:  # GLM-4's class defaults to 0.5
             d["partial_rotary_factor"] = self.partial_rotary_factor
         if self.architecture == "Phi3ForCausalLM":  # its class reads this over the RoPE dict's (default 4096)
@@ -850,8 +906,14 @@ class ModelConfig:
             if self.architecture != "Qwen3MoeForCausalLM":
                 # every layer from the first windowed one slides, as transformers reads it; layer_types says so too
                 d["max_window_layers"] = min(self.window_layers or (0,)) if self.sliding_window else 0
-        if self.architecture in (*WINDOWED_ARCHITECTURES, *ROPE_PER_TYPE_ARCHITECTURES, GPT_OSS, GEMMA2):
+        if self.architecture in (*WINDOWED_ARCHITECTURES, *ROPE_PER_TYPE_ARCHITECTURES, GPT_OSS, GEMMA2, EXAONE4):
             d["sliding_window"] = self.sliding_window
+        if self.architecture == EXAONE4:
+            # its class reads layer_types over sliding_window_pattern; with no window it needs them (a pattern of 0)
+            d["layer_types"] = [
+                "full_attention" if self.layer_window(i) is None else "sliding_attention"
+                for i in range(self.num_hidden_layers)
+            ]
         if self.architecture in LAYER_TYPE_ARCHITECTURES and (
             self.window_layers or self.architecture in (*ROPE_PER_TYPE_ARCHITECTURES, GEMMA2)
         ):
@@ -1087,6 +1149,15 @@ HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
              "intermediate_size": 13696, "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 2,
              "head_dim": 128, "max_position_embeddings": 131072, "attention_bias": True, "pad_token_id": 151329,
              "rope_theta": 1e4},
+    "ernie4_5": {**_COMMON, "rms_norm_eps": 1e-5, "vocab_size": 103424, "hidden_size": 1024,
+                 "intermediate_size": 3072, "num_hidden_layers": 18, "num_attention_heads": 16,
+                 "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 131072, "pad_token_id": 0,
+                 "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True, "use_bias": False,
+                 "rope_theta": 5e5},
+    "exaone4": {**_COMMON, "rms_norm_eps": 1e-5, "vocab_size": 102400, "hidden_size": 4096,
+                "intermediate_size": 16384, "num_hidden_layers": 32, "num_attention_heads": 32,
+                "num_key_value_heads": 32, "max_position_embeddings": 2048, "bos_token_id": 0, "eos_token_id": 2,
+                "sliding_window": 4096, "sliding_window_pattern": 4, "rope_theta": 1e4},
     "gpt_oss": {**_COMMON, "rms_norm_eps": 1e-5, "vocab_size": 201088, "hidden_size": 2880,
                 "intermediate_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
                 "head_dim": 64, "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128,
@@ -1151,6 +1222,20 @@ def _sliding_window(arch: str, d: dict[str, Any]) -> tuple[int | None, tuple[int
         window = d.get("sliding_window")
         if types is None:  # their config classes' default: every other layer slides, the first among them
             types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    elif arch == EXAONE4:
+        window = d.get("sliding_window")
+        types = types or _exaone4_layer_types(d)
+        if window is None and "sliding_attention" in types:
+            raise ValueError(
+                f"config.json: {arch} with sliding_attention layers and sliding_window null (transformers cannot "
+                "build it): set sliding_window or make every layer full_attention"
+            )
+        if window is not None and "sliding_attention" not in types:
+            # transformers then turns no layer by RoPE, vLLM every layer: the two compute different models
+            raise ValueError(
+                f"config.json: {arch} with sliding_window={window} and no sliding_attention layer (transformers "
+                "turns no layer by RoPE, vLLM every layer): set sliding_window to null"
+            )
     elif arch in ROPE_PER_TYPE_ARCHITECTURES:
         window = d.get("sliding_window")
         if types is None:  # the config classes' default: every fourth (OLMo 3) or sixth (Gemma 3) layer full
@@ -1179,9 +1264,36 @@ def _sliding_window(arch: str, d: dict[str, Any]) -> tuple[int | None, tuple[int
     return window, None if len(layers) == n else layers
 
 
+def _exaone4_layer_types(d: dict[str, Any]) -> list[str]:
+    """EXAONE 4's attention per layer where config.json gives no ``layer_types``: from ``sliding_window_pattern``,
+    an int p (layer i slides unless p divides i + 1, as its config class computes) or a string of L (a window)
+    and G (none) repeated from layer 0, the last layer in full (the pattern's documented reading, which
+    transformers' class does not compute: it needs layer_types); every layer in full without a window."""
+    n, pattern = d["num_hidden_layers"], d.get("sliding_window_pattern")
+    if d.get("sliding_window") is None:
+        return ["full_attention"] * n
+    if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
+        return [
+            "sliding_attention" if pattern[i % len(pattern)] == "L" and i < n - 1 else "full_attention"
+            for i in range(n)
+        ]
+    raise ValueError(
+        f"config.json sliding_window_pattern={pattern!r} is not a positive int or a string of L and G (and there are "
+        "no layer_types): give layer_types, or a pattern such as 4 or 'LLLG'"
+    )
+
+
 def _nope_layers(arch: str, d: dict[str, Any]) -> tuple[int, ...]:
     """SmolLM3's layers without RoPE: the 0 entries of ``no_rope_layers``, or (left out) every
-    ``no_rope_layer_interval``-th layer, as transformers fills it in."""
+    ``no_rope_layer_interval``-th layer, as transformers fills it in. EXAONE 4's: its full-attention layers
+    where a window is set."""
+    if arch == EXAONE4:
+        if d.get("sliding_window") is None:
+            return ()
+        types = d.get("layer_types") or _exaone4_layer_types(d)
+        return tuple(i for i, t in enumerate(types) if t == "full_attention")
     if arch != "SmolLM3ForCausalLM":
         return ()
     n = d["num_hidden_layers"]
@@ -1334,6 +1446,20 @@ def _gemma_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
 def _granite_fields(d: dict[str, Any]) -> dict[str, Any]:
     """Granite's four scalars (its class's defaults, all 1, filled in by ``HF_CLASS_DEFAULTS``)."""
     return {k: d[k] for k in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")}
+
+
+def _norm_layout(arch: str) -> str:
+    """Where the family's norms sit (``ModelConfig.norm_layout``)."""
+    if arch in (*OLMO_ARCHITECTURES, EXAONE4):
+        return "post"
+    return "sandwich" if arch in (*GEMMA_ARCHITECTURES, GLM4) else "pre"
+
+
+def _read_mlp_bias(arch: str, d: dict[str, Any]) -> bool:
+    """The MLP's bias as the family's class reads it: Llama's, SmolLM3's and Granite's ``mlp_bias``, Ernie 4.5's ``use_bias``."""
+    if arch in LLAMA_BIAS_ARCHITECTURES:
+        return bool(d.get("mlp_bias", False))
+    return arch == ERNIE4_5 and bool(d.get("use_bias", False))
 
 
 def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

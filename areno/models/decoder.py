@@ -251,17 +251,20 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.num_kv_heads * dh, bias=config.attention_bias)
         self.v_proj = nn.Linear(d, self.num_kv_heads * dh, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * dh, d, bias=config.attention_out_bias)
-        self.use_rope = layer_idx not in config.nope_layers  # SmolLM3 leaves every fourth layer unrotated
+        # SmolLM3 leaves every fourth layer unrotated, EXAONE 4 its full-attention layers
+        self.use_rope = layer_idx not in config.nope_layers
         # which of a stacked [2, T, F] cos/sin this layer turns by (OLMo 3's window layers: their own RoPE)
         self.rope_slot = int(config.window_rope is not None and config.layer_window(layer_idx) is not None)
         self.rope_interleaved = config.rope_interleaved
-        """GLM-4: adjacent dimensions turn together (``apply_rope(interleaved=True)``)."""
+        """GLM-4, Ernie 4.5: adjacent dimensions turn together (``apply_rope(interleaved=True)``)."""
+        self.rope_in_float32 = config.rope_in_float32
+        """Ernie 4.5: q and k turn in float32 (by float32 tables, ``Decoder.rope_at``), rounded once after."""
         self.scaled_queries = config.query_position_scale is not None
         """Ministral 3: q turns by its own tables, the position's query scale folded in (``Decoder.rope_at``)."""
         # Qwen3 normalises each head (weights [Dh]); OLMo 2 the whole projection, before the head split
         self.qk_norm_heads = config.qk_norm and config.qk_norm_scope == "head"
         if config.qk_norm:
-            fp32 = config.norm_layout == "post"  # OLMo 2's norms all scale in float32
+            fp32 = config.norms_scale_in_float32  # OLMo 2's norms all scale in float32
             q_width, k_width = (dh, dh) if self.qk_norm_heads else (self.num_heads * dh, self.num_kv_heads * dh)
             offset = config.norm_weight_offset
             self.q_norm = RMSNorm(q_width, config.rms_norm_eps, scale_in_float32=fp32, offset=offset)
@@ -312,19 +315,18 @@ class Attention(nn.Module):
             if qkv_TN is not None and not hasattr(self, "q_norm") and not self.scaled_queries:
                 # q and k are adjacent columns of one product: one RoPE over their heads (one kernel;
                 # eager, half the ops of two calls: the same products per element)
-                qk_THD = apply_rope(
-                    qkv_TN[:, : (hq + hk) * self.head_dim].view(T, hq + hk, self.head_dim),
-                    cos_TF,
-                    sin_TF,
-                    interleaved=self.rope_interleaved,
+                qk_THD = self._turn(
+                    qkv_TN[:, : (hq + hk) * self.head_dim].view(T, hq + hk, self.head_dim), cos_TF, sin_TF
                 )
                 q_THD, k_THD = qk_THD[:, :hq], qk_THD[:, hq:]
             else:
                 if self.qk_norm_heads:
                     q_THD = self.q_norm(q_THD)
                     k_THD = self.k_norm(k_THD)
-                q_THD = apply_rope(q_THD, qcos_TF, qsin_TF, interleaved=self.rope_interleaved)
-                k_THD = apply_rope(k_THD, cos_TF, sin_TF, interleaved=self.rope_interleaved)
+                q_THD = self._turn(q_THD, qcos_TF, qsin_TF)
+                k_THD = self._turn(k_THD, cos_TF, sin_TF)
+        elif self.qk_norm_heads:  # EXAONE 4's layers without RoPE still norm each head
+            q_THD, k_THD = self.q_norm(q_THD), self.k_norm(k_THD)
         if self.q_scale != 1.0:
             q_THD = q_THD * self.q_scale
         out_THD = attn(self.layer_idx, *_in_autocast_dtype(q_THD, k_THD, v_THD), **self.score_terms())
@@ -339,6 +341,13 @@ class Attention(nn.Module):
         if self.softcap is not None:
             terms["softcap"] = self.softcap
         return terms
+
+    def _turn(self, x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
+        """``apply_rope`` in this layer's form: adjacent pairs or halves; Ernie 4.5's in float32, rounded once to
+        x's dtype."""
+        if self.rope_in_float32:
+            return apply_rope(x_THD.float(), cos_TF, sin_TF, interleaved=self.rope_interleaved).to(x_THD.dtype)
+        return apply_rope(x_THD, cos_TF, sin_TF, interleaved=self.rope_interleaved)
 
     def _attend_rotary(
         self,
@@ -359,6 +368,8 @@ class Attention(nn.Module):
         if self.scaled_queries:  # q's tables differ from k's: the kernel turns both by one
             return None
         if 2 * cos_TF.shape[-1] != self.head_dim or self.rope_interleaved:  # the fused kernels turn whole heads
+            return None
+        if self.rope_in_float32:  # the kernels turn in the model dtype
             return None
         terms = self.score_terms()
         if not hasattr(self, "q_norm"):
@@ -448,9 +459,10 @@ class DecoderLayer(nn.Module):
         if self.layout == "sandwich":  # Gemma 3, GLM-4: a norm before and after each block
             for name in self.sandwich_names:
                 setattr(self, name, RMSNorm(d, eps, offset=offset))
-        elif self.post_norms:  # OLMo 2: each block's output normed before its residual add
-            self.post_attention_layernorm = RMSNorm(d, eps, scale_in_float32=True)
-            self.post_feedforward_layernorm = RMSNorm(d, eps, scale_in_float32=True)
+        elif self.post_norms:  # OLMo 2, EXAONE 4: each block's output normed before its residual add
+            fp32 = config.norms_scale_in_float32
+            self.post_attention_layernorm = RMSNorm(d, eps, scale_in_float32=fp32)
+            self.post_feedforward_layernorm = RMSNorm(d, eps, scale_in_float32=fp32)
         else:
             self.input_layernorm = RMSNorm(d, eps)
             self.post_attention_layernorm = RMSNorm(d, eps)
@@ -491,13 +503,14 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(
             config.hidden_size,
             config.rms_norm_eps,
-            scale_in_float32=config.norm_layout == "post",
+            scale_in_float32=config.norms_scale_in_float32,
             offset=config.norm_weight_offset,
         )
 
 
 class Decoder(nn.Module):
-    """Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral / OLMo 2 / OLMo 3 / Gemma 3 / Phi-3 / SmolLM3 / gpt-oss decoder over packed
+    """Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral / OLMo 2 / OLMo 3 / Gemma 3 / Phi-3 / SmolLM3 / gpt-oss /
+    GLM-4 / Ernie 4.5 / EXAONE 4 decoder over packed
     1-D token streams.
 
     Tensor parallelism without torch.distributed in the model: with ``tp_size > 1`` this module
@@ -645,6 +658,8 @@ class Decoder(nn.Module):
         """cos and sin [T, R/2] at ``position_ids_T``; [2, T, R/2] (the full layers', the window
         layers') where the window layers turn otherwise (``Attention.rope_slot`` picks), or (k's, q's) where
         queries are scaled by position (Ministral 3: a scale times a rotation is the scaled rotation)."""
+        if self.config.rope_in_float32:  # Ernie 4.5 keeps its tables in float32 (``Attention._turn``)
+            dtype = torch.float32
         cos_PF, sin_PF = self.rope.get(device, dtype)
         cos_TF, sin_TF = cos_PF[position_ids_T], sin_PF[position_ids_T]
         if self.config.query_position_scale is not None:  # Ministral 3: q's tables times its position's scale

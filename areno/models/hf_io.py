@@ -51,7 +51,18 @@ _TINY_ARCHS = {
     "gpt_oss": "GptOssForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
 }
+_TINY_NORM_LAYOUTS = {
+    "olmo2": "post",
+    "olmo3": "post",
+    "exaone4": "post",
+    "gemma2": "sandwich",
+    "gemma3": "sandwich",
+    "glm4": "sandwich",
+}
+"""``ModelConfig.norm_layout`` of the tiny archs not in the pre-norm layout."""
 
 
 def missing_model_dir(key: str, path: Path) -> str:
@@ -571,6 +582,9 @@ def tiny_config(
     ``arch``: llama, qwen2, qwen3, mistral, olmo2, olmo3 or gemma3 (a 16-token window in every layer but the
     last; gemma3's turning at base 1,000 there), gemma2 (a 16-token window in every other layer from the first,
     attention scores soft-capped at 5 and logits at 5, so that the caps act on a tiny model), phi3, glm4 (half of each head turned, by adjacent pairs),
+    ernie4_5 (biases on every projection, tied embeddings, whole heads turned by adjacent pairs in float32),
+    exaone4 (per-head q/k norms, norms after each block, a 16-token window in every layer but the last, which
+    alone turns by no RoPE),
     ministral3 (queries scaled by position every 8 positions), granite (Llama's layers with Granite's
     multipliers as its released models set them: embeddings times 12, scores scaled by 1 / head_dim, block outputs
     times 0.22, logits divided by 8), smollm3 (no RoPE in layers 3, 7, ...), qwen3_moe,
@@ -597,20 +611,16 @@ def tiny_config(
         max_position_embeddings=2048,
         attention_bias=qkv_bias,
         attention_out_bias=arch == "gpt_oss",
-        qk_norm=arch in ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3"),
+        qk_norm=arch in ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3", "exaone4"),
         qk_norm_scope="projection" if arch in ("olmo2", "olmo3") else "head",
-        norm_layout="post"
-        if arch in ("olmo2", "olmo3")
-        else "sandwich"
-        if arch in ("gemma2", "gemma3", "glm4")
-        else "pre",
+        norm_layout=_TINY_NORM_LAYOUTS.get(arch, "pre"),
         architecture=architecture,
         model_type=SUPPORTED_ARCHITECTURES[architecture],
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
     )
-    if arch in ("olmo3", "gemma3"):  # a short window, in every layer but the last (OLMo 3: three of four)
+    if arch in ("olmo3", "gemma3", "exaone4"):  # a short window, in every layer but the last (OLMo 3: three of four)
         fields.update(sliding_window=16, window_layers=tuple(range(layers - 1)) if layers > 1 else None)
     if arch in ("gemma2", "gemma3"):
         fields.update(norm_weight_offset=1.0, hidden_act="gelu_pytorch_tanh", scale_embeddings=True)
@@ -628,6 +638,9 @@ def tiny_config(
     if arch == "granite":
         fields.update(embedding_multiplier=12.0, attention_multiplier=1.0 / (hidden_size // heads))
         fields.update(residual_multiplier=0.22, logits_scaling=8.0, tie_word_embeddings=True)
+    if arch == "ernie4_5":  # every projection biased (use_bias), so that every path carries the biases
+        fields.update(rope_interleaved=True, rope_in_float32=True, tie_word_embeddings=True)
+        fields.update(attention_bias=True, attention_out_bias=True, mlp_bias=True)
     if arch == "smollm3":
         fields["nope_layers"] = tuple(i for i in range(layers) if (i + 1) % 4 == 0)
     if arch in ("qwen3_moe", "mixtral", "gpt_oss"):
@@ -641,6 +654,10 @@ def tiny_config(
         yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
         fields["rope_scaling"] = {**yarn, "original_max_position_embeddings": 64}
     fields.update(kw)
+    if arch == "exaone4" and "nope_layers" not in kw:  # where a window is set, the layers without one turn by none
+        window, window_layers = fields.get("sliding_window"), fields.get("window_layers")
+        full = [i for i in range(layers) if window_layers is not None and i not in window_layers]
+        fields["nope_layers"] = tuple(full) if window is not None else ()
     if arch in ("mixtral", "gpt_oss") and "moe_intermediate_size" not in kw and "intermediate_size" in kw:
         fields["moe_intermediate_size"] = kw["intermediate_size"]  # Mixtral's experts are intermediate_size wide
     return ModelConfig(**fields)

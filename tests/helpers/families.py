@@ -13,10 +13,14 @@ VOCAB = 61
 LENS = [9, 14, 5]
 
 
-def saved_by_transformers(config_cls, path, *, spread_norms: bool = False, **kw) -> torch.nn.Module:
+def saved_by_transformers(
+    config_cls, path, *, spread_norms: bool = False, spread_biases: bool = False, **kw
+) -> torch.nn.Module:
     """A random model of ``config_cls`` (a transformers config class; ``kw`` over a 2-layer, 48-wide,
     4-head / 2-kv-head shape) saved to ``path`` by transformers and loaded back in float32 with eager
-    attention. ``spread_norms``: norm weights drawn from [0.3, 1.7], so that a norm in the wrong place shows."""
+    attention. ``spread_norms``: norm weights drawn from [0.3, 1.7], so that a norm in the wrong place shows;
+    ``spread_biases``: biases drawn from N(0, 0.2) (transformers initialises them to 0, where a missing one
+    would not show)."""
     torch.manual_seed(0)
     shape = dict(
         vocab_size=VOCAB,
@@ -36,6 +40,11 @@ def saved_by_transformers(config_cls, path, *, spread_norms: bool = False, **kw)
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.uniform_(0.3, 1.7)
+    if spread_biases:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.2)
     model.save_pretrained(path)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 

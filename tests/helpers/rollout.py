@@ -57,10 +57,12 @@ def naive_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[floa
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=10, ignore_eos=True, seed=11)
-ARCHS = ["qwen2", "llama", "olmo2", "olmo3", "gemma3", "smollm3", "glm4", "gemma2", "granite"]
+ARCHS = ["qwen2", "llama", "olmo2", "olmo3", "gemma3", "smollm3", "glm4", "gemma2", "granite", "ernie4_5", "exaone4"]
 """q/k/v bias, no bias, q/k norms and post-block norms, a window in some layers only, GeGLU and norms
 around each block, a NoPE layer, half of each head turned by adjacent pairs with norms around each block in
-the model dtype, soft-capped attention scores and logits, scaled embeddings, scores, block outputs and logits."""
+the model dtype, soft-capped attention scores and logits, scaled embeddings, scores, block outputs and logits,
+whole heads turned by adjacent pairs in float32 with every projection biased, per-head q/k norms with post-block
+norms in the model dtype and a NoPE full layer beside a window layer."""
 
 
 def model_of(arch: str, seed: int = 0) -> tuple[Decoder, object]:

@@ -38,6 +38,8 @@ def _ref_logprobs(ref, seqs):
         "phi4_mini",
         "glm4",
         "granite",
+        "ernie4_5",
+        "exaone4",
         "smollm3",
         "ministral3",
         "gpt_oss",

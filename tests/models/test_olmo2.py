@@ -74,7 +74,7 @@ def test_the_other_layouts_are_refused_for_olmo2_and_olmo2s_for_the_others():
         tiny_config(VOCAB, arch="olmo2", norm_layout="pre")
     with pytest.raises(ValueError, match="Qwen3ForCausalLM has qk_norm_scope='head'"):
         tiny_config(VOCAB, arch="qwen3", qk_norm_scope="projection")
-    with pytest.raises(ValueError, match="only Qwen3, OLMo and Gemma 3 have q/k norms"):
+    with pytest.raises(ValueError, match="only Qwen3, OLMo, Gemma 3 and EXAONE 4 have q/k norms"):
         tiny_config(VOCAB, arch="olmo2", qk_norm=False)
 
 

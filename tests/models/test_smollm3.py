@@ -51,7 +51,8 @@ def test_nope_layers_only_for_smollm3_and_in_range():
     from areno.models import tiny_config
 
     with pytest.raises(
-        ValueError, match="nope_layers .* only expressible for SmolLM3ForCausalLM, not LlamaForCausalLM"
+        ValueError,
+        match="nope_layers .* only expressible for SmolLM3ForCausalLM and Exaone4ForCausalLM, not LlamaForCausalLM",
     ):
         tiny_config(VOCAB, arch="llama", nope_layers=(1,))
     with pytest.raises(ValueError, match=r"nope_layers \[5\] must be layer indices < 2"):

@@ -87,15 +87,31 @@ PHI4_MINI_ROPE = {
 # of each head turned, sandwich norms in the model dtype (past the fused add + norm kernels); gemma2: scores
 # soft-capped in every decode path (the paged kernel's cap, no prefill graphs) and logits capped, a 6-key window
 # in layer 0; granite: scaled embeddings, scores (q scaled: past the fused RoPE + KV kernel), block outputs (scaled
-# before the fused add + norm, no split-K MLP partials) and logits
+# before the fused add + norm, no split-K MLP partials) and logits; ernie4_5: adjacent pairs of whole heads turned
+# in float32, biases on every projection; exaone4: a 6-key window in layer 0, layer 1 in full without RoPE (its
+# q/k norms still applied), post-block norms in the model dtype
 @pytest.mark.parametrize(
-    "arch", ["qwen2", "qwen3", "olmo3", "gemma3", "ministral3", "gpt_oss", "phi4_mini", "glm4", "gemma2", "granite"]
+    "arch",
+    [
+        "qwen2",
+        "qwen3",
+        "olmo3",
+        "gemma3",
+        "ministral3",
+        "gpt_oss",
+        "phi4_mini",
+        "glm4",
+        "gemma2",
+        "granite",
+        "ernie4_5",
+        "exaone4",
+    ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_match_eager_on_gpu(dtype, arch):
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 
-    windowed = ("olmo3", "gemma3", "gpt_oss", "gemma2")
+    windowed = ("olmo3", "gemma3", "gpt_oss", "gemma2", "exaone4")
     kw = {"arch": arch, "sliding_window": 6} if arch in windowed else {"arch": arch}
     if arch == "phi4_mini":
         kw = {"arch": "phi3", "partial_rotary_factor": 0.75, "rope_scaling": PHI4_MINI_ROPE}
