@@ -94,6 +94,23 @@ def assert_engine_decodes_as_recompute(model, config, **engine_kw) -> None:
         assert out.output_ids == naive_greedy(model, prompt, 10)[0]
 
 
+def assert_sampled_logprobs_are_the_trainers(model, config) -> None:
+    """Tokens the engine samples at temperature 1 carry the log-probs ``packed_logprobs`` computes over prompt and
+    completion: whatever the family does to its logits, the engine does as the trainer."""
+    from areno.models.logprobs import packed_logprobs
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+    from areno.types import SamplingParams
+
+    engine = RolloutEngine(model.eval(), config, config=RolloutEngineConfig(block_size=4, num_blocks=64))
+    prompts = [[5, 9, 11, 3, 20], [7, 1, 33, 40, 41, 42, 8, 9]]
+    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=3))
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor(prompt + out.output_ids)
+        with torch.no_grad():
+            lp, _ = packed_logprobs(model, ids, torch.tensor([0, len(ids)]))
+        torch.testing.assert_close(torch.tensor(out.output_logprobs), lp[len(prompt) :], rtol=0, atol=1e-4)
+
+
 def grpo_learns_and_exports(tmp_path, arch: str, extra: str = "", lr: float = 0.02) -> dict:
     """A 12-step GRPO run on a tiny ``arch`` model (``extra``: more ``init_tiny`` keys, ", key: value") at
     learning rate ``lr`` raises the demo reward; returns the config.json of its last checkpoint's export."""

@@ -21,6 +21,7 @@ from tests.helpers.families import (
     assert_engine_decodes_as_recompute,
     assert_export_reads_back,
     assert_gradients_match,
+    assert_sampled_logprobs_are_the_trainers,
     grpo_learns_and_exports,
     packed_batch,
     reference_logprobs,
@@ -174,19 +175,8 @@ def test_the_rollout_engine_decodes_what_the_model_computes(tmp_path, decode_att
 def test_the_engines_sampled_logprobs_are_the_trainers(tmp_path):
     """Sampled tokens' log-probs (temperature 1: the divided logits' softmax) equal ``packed_logprobs`` over the
     prompt and completion: the engine divides the logits the trainer divides."""
-    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
-    from areno.types import SamplingParams
-
     saved_by_transformers(GraniteConfig, tmp_path, **SHAPE)
-    model, config = load_model(tmp_path)
-    engine = RolloutEngine(model.eval(), config, config=RolloutEngineConfig(block_size=4, num_blocks=64))
-    prompts = [[5, 9, 11, 3, 20], [7, 1, 33, 40, 41, 42, 8, 9]]
-    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=3))
-    for prompt, out in zip(prompts, outs):
-        ids = torch.tensor(prompt + out.output_ids)
-        with torch.no_grad():
-            lp, _ = packed_logprobs(model, ids, torch.tensor([0, len(ids)]))
-        torch.testing.assert_close(torch.tensor(out.output_logprobs), lp[len(prompt) :], rtol=0, atol=1e-4)
+    assert_sampled_logprobs_are_the_trainers(*load_model(tmp_path))
 
 
 # ---------------------------------------------------------------------------------------- config, training

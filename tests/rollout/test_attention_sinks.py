@@ -16,48 +16,13 @@ import pytest
 import torch
 
 from areno.rollout import attention as rollout_attention
-from areno.rollout.attention import DecodeCarry, LayerWindowAttention, PagedAttention, SeqChunk
-from areno.rollout.kv_cache import KVCache
+from areno.rollout.attention import DecodeCarry, LayerWindowAttention, PagedAttention
 from areno.rollout.paged_decode import paged_decode_torch, triton_available
+from tests.helpers import paged_cases as pc
 from tests.helpers.fake_triton import emulated_paged_decode
 
-BS, D = 4, 8
-"""Tokens per block and head dim of the CPU cases."""
 NEG_SINK = -30.0
 """A sink so low that its head's attention equals attention without one (e^-30 of the mass)."""
-
-
-def _pool(hkv: int, *, layers=1, num_blocks=40, bs=BS, dh=D, dtype=torch.float32, device="cpu", seed=0) -> KVCache:
-    g = torch.Generator().manual_seed(seed)
-    cache = KVCache(
-        num_layers=layers,
-        num_blocks=num_blocks,
-        block_size=bs,
-        num_kv_heads=hkv,
-        head_dim=dh,
-        dtype=dtype,
-        device=torch.device(device),
-    )
-    for i in range(layers):
-        cache.k_S[i].copy_(torch.randn(cache.k_S[i].shape, generator=g))
-        cache.v_S[i].copy_(torch.randn(cache.v_S[i].shape, generator=g))
-    return cache
-
-
-def _tables(cache: KVCache, lengths: list[int], seed=0) -> list[list[int]]:
-    """Distinct random blocks holding ``lengths`` tokens per sequence."""
-    perm = torch.randperm(cache.num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-    out = []
-    for n in lengths:
-        need = -(-n // cache.block_size)
-        out.append(perm[:need])
-        perm = perm[need:]
-    return out
-
-
-def _padded(cache: KVCache, tables: list[list[int]], N: int | None = None) -> torch.Tensor:
-    N = N or max(map(len, tables))
-    return torch.tensor([t + [cache.scratch_block] * (N - len(t)) for t in tables])
 
 
 def _sinks(hq: int, seed=1, dtype=torch.float32) -> torch.Tensor:
@@ -67,12 +32,7 @@ def _sinks(hq: int, seed=1, dtype=torch.float32) -> torch.Tensor:
     return s_H.to(dtype)
 
 
-def _qkv(T: int, hq: int, hkv: int, seed=2, dtype=torch.float32, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(T, h, D, generator=g).to(device, dtype) for h in (hq, hkv, hkv))
-
-
-def _reference(q_THD, k_S, v_S, tables_T, pos_T, window, sinks_H, bs=BS) -> torch.Tensor:
+def _reference(q_THD, k_S, v_S, tables_T, pos_T, window, sinks_H, bs=pc.BS) -> torch.Tensor:
     """transformers' eager gpt-oss attention per query token in float64: scores over keys 0..p of its
     table (the last ``window`` of them), the sink as one more column, dropped after the softmax."""
     T, Hq, Dh = q_THD.shape
@@ -111,11 +71,11 @@ def test_gathered_decode(monkeypatch, hq, hkv, grouped, cpu_matmul, window):
     (explicit sink softmax), q grouped per KV head or not."""
     monkeypatch.setattr(PagedAttention, "GROUPED_DECODE", grouped)
     monkeypatch.setattr(rollout_attention, "CPU_DECODE_MATMUL", cpu_matmul)
-    cache = _pool(hkv)
+    cache = pc.pool(hkv)
     ctx = [1, 4, 9, 17, 30]
-    tables = _tables(cache, ctx)
-    bt_BN, ctx_B = _padded(cache, tables, 8), torch.tensor(ctx)
-    q, k, v = _qkv(len(ctx), hq, hkv)
+    tables = pc.tables(cache, ctx)
+    bt_BN, ctx_B = pc.padded(cache, tables, 8), torch.tensor(ctx)
+    q, k, v = pc.qkv(len(ctx), hq, hkv)
     sinks_H = _sinks(hq)
     attn = PagedAttention.for_decode(cache, bt_BN, ctx_B, window)
     out = attn(0, q, k, v, sinks_H=sinks_H)
@@ -128,16 +88,16 @@ def test_gathered_decode(monkeypatch, hq, hkv, grouped, cpu_matmul, window):
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (2, 2)])
 def test_cpu_decode_carry(hq, hkv):
     """The CPU decode carry: a fresh gather, then two steps that extend the carried K/V."""
-    cache = _pool(hkv)
-    cache.decode_carry = DecodeCarry(1, 8 * BS, 1 << 28)
+    cache = pc.pool(hkv)
+    cache.decode_carry = DecodeCarry(1, 8 * pc.BS, 1 << 28)
     ctx = [1, 4, 9, 17, 29]
-    tables = _tables(cache, [c + 2 for c in ctx])
-    bt_BN, sinks_H = _padded(cache, tables, 8), _sinks(hq)
+    tables = pc.tables(cache, [c + 2 for c in ctx])
+    bt_BN, sinks_H = pc.padded(cache, tables, 8), _sinks(hq)
     for step in range(3):
         ctx_B = torch.tensor(ctx) + step
         attn = PagedAttention.for_decode(cache, bt_BN, ctx_B, carry=True)
         assert attn.decode.carry is not None and attn.decode.extend == (step > 0)
-        q, k, v = _qkv(len(ctx), hq, hkv, seed=step)
+        q, k, v = pc.qkv(len(ctx), hq, hkv, seed=step)
         out = attn(0, q, k, v, sinks_H=sinks_H)
         _check(out, _reference(q, cache.k_S[0], cache.v_S[0], tables, ctx_B - 1, None, sinks_H))
     assert cache.decode_carry.steps == {"extended": 2, "gathered": 1}
@@ -150,11 +110,11 @@ def test_paged_decode_torch(monkeypatch, hq, hkv, window, dtype, atol):
     """The paged decode in torch (chunks of 8 keys: the online softmax crosses chunks), through the
     backend and alone; a bf16 pool and query."""
     monkeypatch.setattr("areno.rollout.paged_decode.TORCH_CHUNK_KEYS", 8)
-    cache = _pool(hkv, dtype=dtype)
+    cache = pc.pool(hkv, dtype=dtype)
     ctx = [1, 4, 9, 17, 30]
-    tables = _tables(cache, ctx)
-    bt_BN, ctx_B = _padded(cache, tables, 8), torch.tensor(ctx)
-    q, k, v = _qkv(len(ctx), hq, hkv, dtype=dtype)
+    tables = pc.tables(cache, ctx)
+    bt_BN, ctx_B = pc.padded(cache, tables, 8), torch.tensor(ctx)
+    q, k, v = pc.qkv(len(ctx), hq, hkv, dtype=dtype)
     sinks_H = _sinks(hq, dtype=dtype)
     attn = PagedAttention.for_decode(cache, bt_BN, ctx_B, window, decode_attention="paged")
     out = attn(0, q, k, v, sinks_H=sinks_H)
@@ -162,22 +122,11 @@ def test_paged_decode_torch(monkeypatch, hq, hkv, window, dtype, atol):
     plain = attn(0, q, k, v)
     assert torch.equal(attn(0, q, k, v, sinks_H=None), plain)
     _check(out, _reference(q, cache.k_S[0], cache.v_S[0], tables, ctx_B - 1, window, sinks_H), plain, atol)
-    alone = paged_decode_torch(q, cache.k_S[0], cache.v_S[0], bt_BN, ctx_B, BS, window, sinks_H)
+    alone = paged_decode_torch(q, cache.k_S[0], cache.v_S[0], bt_BN, ctx_B, pc.BS, window, sinks_H)
     assert torch.equal(alone, out)
 
 
 # ------------------------------------------------------------------------------------- prefill, mixed
-
-
-def _mixed_case(cache, hq, hkv, seed=0):
-    """Two decode rows (positions 3 and 10) then two prompt chunks (7 tokens from 0; 6 from 5, after
-    a cached prefix): chunks, tables, each token's table and position, and q/k/v."""
-    starts, news = [3, 10, 0, 5], [1, 1, 7, 6]
-    tables = _tables(cache, [s + n for s, n in zip(starts, news)], seed)
-    chunks = [SeqChunk(t, s, n) for t, s, n in zip(tables, starts, news)]
-    tables_T = [t for t, n in zip(tables, news) for _ in range(n)]
-    pos_T = [s + i for s, n in zip(starts, news) for i in range(n)]
-    return chunks, tables, tables_T, pos_T, _qkv(sum(news), hq, hkv, seed=seed + 7)
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -188,13 +137,13 @@ def test_mixed_step(monkeypatch, hq, hkv, grouped, decode, window):
     """A step of decode rows and prompt chunks (the padded prefill batch, grouped per KV head or not):
     all from ``build``, or the decode rows from ``for_decode`` (gathered or paged) beside them."""
     monkeypatch.setattr(PagedAttention, "GROUPED_DECODE", grouped)
-    cache = _pool(hkv)
-    chunks, tables, tables_T, pos_T, (q, k, v) = _mixed_case(cache, hq, hkv)
+    cache = pc.pool(hkv)
+    chunks, tables, tables_T, pos_T, (q, k, v) = pc.mixed_case(cache, hq, hkv)
     if decode == "build":
         attn = PagedAttention.build(cache, chunks, torch.device("cpu"), window)
     else:
         dec = PagedAttention.for_decode(
-            cache, _padded(cache, tables[:2]), torch.tensor([4, 11]), window, decode_attention=decode
+            cache, pc.padded(cache, tables[:2]), torch.tensor([4, 11]), window, decode_attention=decode
         )
         attn = PagedAttention.mixed(dec, PagedAttention.build(cache, chunks[2:], torch.device("cpu"), window))
     sinks_H = _sinks(hq)
@@ -207,8 +156,8 @@ def test_mixed_step(monkeypatch, hq, hkv, grouped, decode, window):
 def test_long_prefill_in_blocks_of_query_rows(monkeypatch):
     """A prefill chunk whose scores exceed ``SINK_SCORES_BYTES`` attends in blocks of query rows."""
     monkeypatch.setattr(rollout_attention, "SINK_SCORES_BYTES", 4 * 2 * 4 * 20)  # 4 heads' rows a block
-    cache = _pool(2)
-    chunks, _, tables_T, pos_T, (q, k, v) = _mixed_case(cache, 4, 2, seed=3)
+    cache = pc.pool(2)
+    chunks, _, tables_T, pos_T, (q, k, v) = pc.mixed_case(cache, 4, 2, seed=3)
     attn = PagedAttention.build(cache, chunks[2:], torch.device("cpu"))
     sinks_H = _sinks(4)
     out = attn(0, q[2:], k[2:], v[2:], sinks_H=sinks_H)
@@ -218,13 +167,13 @@ def test_long_prefill_in_blocks_of_query_rows(monkeypatch):
 @pytest.mark.parametrize("decode", ["gather", "paged"])
 def test_layer_window_attention(decode):
     """Layers 0 full and 1 sliding (``LayerWindowAttention``), in a mixed step and a decode step."""
-    cache = _pool(2, layers=2)
-    chunks, tables, tables_T, pos_T, (q, k, v) = _mixed_case(cache, 4, 2)
+    cache = pc.pool(2, layers=2)
+    chunks, tables, tables_T, pos_T, (q, k, v) = pc.mixed_case(cache, 4, 2)
     sinks_H = _sinks(4)
     cpu = torch.device("cpu")
     mixed = PagedAttention.build(cache, chunks, cpu, 3, window_layers=(1,))
     dec = PagedAttention.for_decode(
-        cache, _padded(cache, tables[:2]), torch.tensor([4, 11]), 3, decode_attention=decode, window_layers=(1,)
+        cache, pc.padded(cache, tables[:2]), torch.tensor([4, 11]), 3, decode_attention=decode, window_layers=(1,)
     )
     assert isinstance(mixed, LayerWindowAttention) and isinstance(dec, LayerWindowAttention)
     for layer, window in ((0, None), (1, 3)):
@@ -259,7 +208,7 @@ def _fake_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, win
 
 def _varlen_case(cache, hq, hkv, window, device="cpu", dtype=torch.float32):
     """A prefill-graph step (``for_prefill``) of ``_mixed_case``'s sequences as chunks, and q/k/v."""
-    chunks, tables, tables_T, pos_T, qkv = _mixed_case(cache, hq, hkv)
+    chunks, tables, tables_T, pos_T, qkv = pc.mixed_case(cache, hq, hkv)
     bs = cache.block_size
     slot = lambda t, j: t[j // bs] * bs + j % bs
     slot_T = [slot(t, p) for t, p in zip(tables_T, pos_T)]
@@ -279,7 +228,7 @@ def _varlen_case(cache, hq, hkv, window, device="cpu", dtype=torch.float32):
 def test_varlen_prefill_scales_flash_by_the_sink_share(monkeypatch, hq, hkv, window):
     """The prefill graphs' flash varlen form: its output times sigmoid(lse - sink) (flash emulated)."""
     monkeypatch.setattr("torch.nn.attention.varlen.varlen_attn", _fake_varlen_attn)
-    cache = _pool(hkv)
+    cache = pc.pool(hkv)
     attn, tables_T, pos_T, (q, k, v) = _varlen_case(cache, hq, hkv, window)
     sinks_H = _sinks(hq)
     out = attn(0, q, k, v, sinks_H=sinks_H)
@@ -305,7 +254,7 @@ def test_varlen_without_lse_refuses_sinks(monkeypatch):
     assert PrefillGraphRunner.supported(eng) is None  # no sinks: nothing needs the log-sum-exp
     eng.model_config = SimpleNamespace(attention_sinks=True, attn_logit_softcapping=None)
     assert "log-sum-exp" in PrefillGraphRunner.supported(eng)
-    attn, _, _, (q, k, v) = _varlen_case(_pool(2), 4, 2, None)
+    attn, _, _, (q, k, v) = _varlen_case(pc.pool(2), 4, 2, None)
     with pytest.raises(ValueError, match="rollout.prefill_cuda_graphs=false"):
         attn(0, q, k, v, sinks_H=_sinks(4))
 
@@ -320,8 +269,8 @@ def emulated(monkeypatch):
 
 
 def _decode_case(cache, hq, ctx, seed=0):
-    tables = _tables(cache, ctx, seed)
-    bt_BN, ctx_B = _padded(cache, tables), torch.tensor(ctx)
+    tables = pc.tables(cache, ctx, seed)
+    bt_BN, ctx_B = pc.padded(cache, tables), torch.tensor(ctx)
     dev = cache.k_S[0].device
     q = torch.randn(len(ctx), hq, cache.head_dim, generator=torch.Generator().manual_seed(seed + 5))
     return tables, bt_BN.to(dev), ctx_B.to(dev), q.to(dev, cache.dtype)
@@ -331,14 +280,14 @@ def _decode_case(cache, hq, ctx, seed=0):
 @pytest.mark.parametrize("hq,hkv,splits", [(4, 2, 1), (4, 2, 3), (2, 2, 5), (4, 1, 2)])
 def test_triton_kernel_code_emulated(emulated, hq, hkv, splits, window):
     """The kernel's sink: counted once, in the last split (some splits empty for short rows)."""
-    cache = _pool(hkv)
+    cache = pc.pool(hkv)
     tables, bt_BN, ctx_B, q = _decode_case(cache, hq, [1, 4, 17, 30])
     sinks_H = _sinks(hq)
     k_S, v_S = cache.k_S[0], cache.v_S[0]
     out = emulated.paged_decode_triton(
-        q, k_S, v_S, bt_BN, ctx_B, BS, window, tile=16, num_splits=splits, sinks_H=sinks_H
+        q, k_S, v_S, bt_BN, ctx_B, pc.BS, window, tile=16, num_splits=splits, sinks_H=sinks_H
     )
-    plain = emulated.paged_decode_triton(q, k_S, v_S, bt_BN, ctx_B, BS, window, tile=16, num_splits=splits)
+    plain = emulated.paged_decode_triton(q, k_S, v_S, bt_BN, ctx_B, pc.BS, window, tile=16, num_splits=splits)
     _check(out, _reference(q, k_S, v_S, tables, ctx_B - 1, window, sinks_H), plain)
 
 
@@ -350,8 +299,8 @@ def _rotary_case(cache, hq, ctx, seed=0):
 
     g = torch.Generator().manual_seed(seed)
     hkv, dh, dev, dt = cache.num_kv_heads, cache.head_dim, cache.k_S[0].device, cache.dtype
-    tables = _tables(cache, ctx, seed)
-    bt_BN, ctx_B = _padded(cache, tables).to(dev), torch.tensor(ctx, device=dev)
+    tables = pc.tables(cache, ctx, seed)
+    bt_BN, ctx_B = pc.padded(cache, tables).to(dev), torch.tensor(ctx, device=dev)
     qkv = torch.randn(len(ctx), (hq + 2 * hkv) * dh, generator=g).to(dev, dt)
     angle = (ctx_B - 1).float()[:, None].cpu() * torch.rand(dh // 2, generator=g)
     cos, sin = angle.cos().to(dev, dt), angle.sin().to(dev, dt)
@@ -367,12 +316,12 @@ def test_rotary_kernel_code_emulated(emulated, monkeypatch, splits):
     decode step) and, for a gathered step, ``rope_write_kv`` then the gathered form."""
     from areno.models import fused_ops
 
-    cache = _pool(2)
+    cache = pc.pool(2)
     tables, (qkv, hq, hkv, cos, sin, bt_BN, ctx_B, slot_B), (q_ref, k_ref, v_ref) = _rotary_case(cache, 4, [1, 5, 18])
     sinks_H = _sinks(4)
     ref = _reference(q_ref, k_ref, v_ref, tables, ctx_B - 1, None, sinks_H)
     out = emulated.paged_decode_rotary(
-        qkv, hq, hkv, cos, sin, cache.k_S[0], cache.v_S[0], slot_B, bt_BN, ctx_B, BS, None,
+        qkv, hq, hkv, cos, sin, cache.k_S[0], cache.v_S[0], slot_B, bt_BN, ctx_B, pc.BS, None,
         tile=16, num_splits=splits, sinks_H=sinks_H,
     )  # fmt: skip
     _check(out, ref)
@@ -405,7 +354,7 @@ def test_triton_paged_decode_on_gpu(dtype, atol, window, splits):
     from areno.rollout.fused_loop import new_token_slots_torch
     from areno.rollout.paged_decode import paged_decode_triton
 
-    cache = _pool(2, num_blocks=600, bs=16, dh=64, dtype=dtype, device="cuda")
+    cache = pc.pool(2, num_blocks=600, bs=16, dh=64, dtype=dtype, device="cuda")
     tables, bt_BN, ctx_B, q = _decode_case(cache, 14, [1, 16, 17, 100, 255, 300, 513, 64])
     sinks_H = _sinks(14, dtype=dtype).cuda()
     k_S, v_S = cache.k_S[0], cache.v_S[0]
@@ -426,7 +375,7 @@ def test_triton_paged_decode_on_gpu(dtype, atol, window, splits):
 def test_triton_rotary_decode_on_gpu(splits):
     from areno.rollout.paged_decode import paged_decode_rotary
 
-    cache = _pool(2, num_blocks=600, bs=16, dh=64, dtype=torch.bfloat16, device="cuda")
+    cache = pc.pool(2, num_blocks=600, bs=16, dh=64, dtype=torch.bfloat16, device="cuda")
     tables, args, (q_ref, k_ref, v_ref) = _rotary_case(cache, 14, [1, 16, 17, 100, 255, 300, 513, 64])
     qkv, hq, hkv, cos, sin, bt_BN, ctx_B, slot_B = args
     sinks_H = _sinks(14, dtype=torch.bfloat16).cuda()
@@ -447,7 +396,7 @@ def test_varlen_prefill_on_gpu(hq, hkv, window):
 
     if not (varlen_available() and rollout_attention.varlen_lse_available()):
         pytest.skip("this torch's varlen_attn returns no log-sum-exp")
-    cache = _pool(hkv, dtype=torch.bfloat16, device="cuda")
+    cache = pc.pool(hkv, dtype=torch.bfloat16, device="cuda")
     attn, tables_T, pos_T, (q, k, v) = _varlen_case(cache, hq, hkv, window, "cuda", torch.bfloat16)
     sinks_H = _sinks(hq, dtype=torch.bfloat16).cuda()
     out = attn(0, q, k, v, sinks_H=sinks_H)

@@ -16,56 +16,16 @@ import pytest
 import torch
 
 from areno.rollout import attention as rollout_attention
-from areno.rollout.attention import DecodeCarry, LayerWindowAttention, PagedAttention, SeqChunk
-from areno.rollout.kv_cache import KVCache
+from areno.rollout.attention import DecodeCarry, LayerWindowAttention, PagedAttention
 from areno.rollout.paged_decode import paged_decode_torch, triton_available
+from tests.helpers import paged_cases as pc
 from tests.helpers.fake_triton import emulated_paged_decode
 
-BS, D = 4, 8
-"""Tokens per block and head dim of the CPU cases."""
 CAP = 1.5
 """Below most of the cases' scaled scores (q and k of unit entries over 8 dimensions): the cap bends them."""
 
 
-def _pool(hkv: int, *, layers=1, num_blocks=40, bs=BS, dh=D, dtype=torch.float32, device="cpu", seed=0) -> KVCache:
-    g = torch.Generator().manual_seed(seed)
-    cache = KVCache(
-        num_layers=layers,
-        num_blocks=num_blocks,
-        block_size=bs,
-        num_kv_heads=hkv,
-        head_dim=dh,
-        dtype=dtype,
-        device=torch.device(device),
-    )
-    for i in range(layers):
-        cache.k_S[i].copy_(torch.randn(cache.k_S[i].shape, generator=g))
-        cache.v_S[i].copy_(torch.randn(cache.v_S[i].shape, generator=g))
-    return cache
-
-
-def _tables(cache: KVCache, lengths: list[int], seed=0) -> list[list[int]]:
-    """Distinct random blocks holding ``lengths`` tokens per sequence."""
-    perm = torch.randperm(cache.num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-    out = []
-    for n in lengths:
-        need = -(-n // cache.block_size)
-        out.append(perm[:need])
-        perm = perm[need:]
-    return out
-
-
-def _padded(cache: KVCache, tables: list[list[int]], N: int | None = None) -> torch.Tensor:
-    N = N or max(map(len, tables))
-    return torch.tensor([t + [cache.scratch_block] * (N - len(t)) for t in tables])
-
-
-def _qkv(T: int, hq: int, hkv: int, seed=2, dtype=torch.float32, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    return tuple((2 * torch.randn(T, h, D, generator=g)).to(device, dtype) for h in (hq, hkv, hkv))
-
-
-def _reference(q_THD, k_S, v_S, tables_T, pos_T, window, softcap, bs=BS) -> torch.Tensor:
+def _reference(q_THD, k_S, v_S, tables_T, pos_T, window, softcap, bs=pc.BS) -> torch.Tensor:
     """transformers' eager Gemma 2 attention per query token in float64: scaled scores over keys 0..p of its
     table (the last ``window`` of them), capped to ``softcap * tanh(s / softcap)``, then the softmax."""
     T, Hq, Dh = q_THD.shape
@@ -103,11 +63,11 @@ def test_gathered_decode(monkeypatch, hq, hkv, grouped, cpu_matmul, window):
     or the explicit-score form SDPA's call gives way to, q grouped per KV head or not."""
     monkeypatch.setattr(PagedAttention, "GROUPED_DECODE", grouped)
     monkeypatch.setattr(rollout_attention, "CPU_DECODE_MATMUL", cpu_matmul)
-    cache = _pool(hkv)
+    cache = pc.pool(hkv)
     ctx = [1, 4, 9, 17, 30]
-    tables = _tables(cache, ctx)
-    bt_BN, ctx_B = _padded(cache, tables, 8), torch.tensor(ctx)
-    q, k, v = _qkv(len(ctx), hq, hkv)
+    tables = pc.tables(cache, ctx)
+    bt_BN, ctx_B = pc.padded(cache, tables, 8), torch.tensor(ctx)
+    q, k, v = pc.qkv(len(ctx), hq, hkv, scale=2.0)
     attn = PagedAttention.for_decode(cache, bt_BN, ctx_B, window)
     out = attn(0, q, k, v, softcap=CAP)
     plain = attn(0, q, k, v)
@@ -118,16 +78,16 @@ def test_gathered_decode(monkeypatch, hq, hkv, grouped, cpu_matmul, window):
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (2, 2)])
 def test_cpu_decode_carry(hq, hkv):
     """The CPU decode carry: a fresh gather, then two steps that extend the carried K/V."""
-    cache = _pool(hkv)
-    cache.decode_carry = DecodeCarry(1, 8 * BS, 1 << 28)
+    cache = pc.pool(hkv)
+    cache.decode_carry = DecodeCarry(1, 8 * pc.BS, 1 << 28)
     ctx = [1, 4, 9, 17, 29]
-    tables = _tables(cache, [c + 2 for c in ctx])
-    bt_BN = _padded(cache, tables, 8)
+    tables = pc.tables(cache, [c + 2 for c in ctx])
+    bt_BN = pc.padded(cache, tables, 8)
     for step in range(3):
         ctx_B = torch.tensor(ctx) + step
         attn = PagedAttention.for_decode(cache, bt_BN, ctx_B, carry=True)
         assert attn.decode.carry is not None and attn.decode.extend == (step > 0)
-        q, k, v = _qkv(len(ctx), hq, hkv, seed=step)
+        q, k, v = pc.qkv(len(ctx), hq, hkv, seed=step, scale=2.0)
         out = attn(0, q, k, v, softcap=CAP)
         _check(out, _reference(q, cache.k_S[0], cache.v_S[0], tables, ctx_B - 1, None, CAP))
     assert cache.decode_carry.steps == {"extended": 2, "gathered": 1}
@@ -140,31 +100,20 @@ def test_paged_decode_torch(monkeypatch, hq, hkv, window, dtype, atol):
     """The paged decode in torch (chunks of 8 keys: the online softmax crosses chunks), through the
     backend and alone; a bf16 pool and query."""
     monkeypatch.setattr("areno.rollout.paged_decode.TORCH_CHUNK_KEYS", 8)
-    cache = _pool(hkv, dtype=dtype)
+    cache = pc.pool(hkv, dtype=dtype)
     ctx = [1, 4, 9, 17, 30]
-    tables = _tables(cache, ctx)
-    bt_BN, ctx_B = _padded(cache, tables, 8), torch.tensor(ctx)
-    q, k, v = _qkv(len(ctx), hq, hkv, dtype=dtype)
+    tables = pc.tables(cache, ctx)
+    bt_BN, ctx_B = pc.padded(cache, tables, 8), torch.tensor(ctx)
+    q, k, v = pc.qkv(len(ctx), hq, hkv, dtype=dtype, scale=2.0)
     attn = PagedAttention.for_decode(cache, bt_BN, ctx_B, window, decode_attention="paged")
     out = attn(0, q, k, v, softcap=CAP)
     assert out.dtype == dtype
     _check(out, _reference(q, cache.k_S[0], cache.v_S[0], tables, ctx_B - 1, window, CAP), attn(0, q, k, v), atol)
-    alone = paged_decode_torch(q, cache.k_S[0], cache.v_S[0], bt_BN, ctx_B, BS, window, softcap=CAP)
+    alone = paged_decode_torch(q, cache.k_S[0], cache.v_S[0], bt_BN, ctx_B, pc.BS, window, softcap=CAP)
     assert torch.equal(alone, out)
 
 
 # ------------------------------------------------------------------------------------- prefill, mixed
-
-
-def _mixed_case(cache, hq, hkv, seed=0):
-    """Two decode rows (positions 3 and 10) then two prompt chunks (7 tokens from 0; 6 from 5, after
-    a cached prefix): chunks, tables, each token's table and position, and q/k/v."""
-    starts, news = [3, 10, 0, 5], [1, 1, 7, 6]
-    tables = _tables(cache, [s + n for s, n in zip(starts, news)], seed)
-    chunks = [SeqChunk(t, s, n) for t, s, n in zip(tables, starts, news)]
-    tables_T = [t for t, n in zip(tables, news) for _ in range(n)]
-    pos_T = [s + i for s, n in zip(starts, news) for i in range(n)]
-    return chunks, tables, tables_T, pos_T, _qkv(sum(news), hq, hkv, seed=seed + 7)
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -175,13 +124,13 @@ def test_mixed_step(monkeypatch, hq, hkv, grouped, decode, window):
     """A step of decode rows and prompt chunks (the padded prefill batch, grouped per KV head or not):
     all from ``build``, or the decode rows from ``for_decode`` (gathered or paged) beside them."""
     monkeypatch.setattr(PagedAttention, "GROUPED_DECODE", grouped)
-    cache = _pool(hkv)
-    chunks, tables, tables_T, pos_T, (q, k, v) = _mixed_case(cache, hq, hkv)
+    cache = pc.pool(hkv)
+    chunks, tables, tables_T, pos_T, (q, k, v) = pc.mixed_case(cache, hq, hkv, scale=2.0)
     if decode == "build":
         attn = PagedAttention.build(cache, chunks, torch.device("cpu"), window)
     else:
         dec = PagedAttention.for_decode(
-            cache, _padded(cache, tables[:2]), torch.tensor([4, 11]), window, decode_attention=decode
+            cache, pc.padded(cache, tables[:2]), torch.tensor([4, 11]), window, decode_attention=decode
         )
         attn = PagedAttention.mixed(dec, PagedAttention.build(cache, chunks[2:], torch.device("cpu"), window))
     out = attn(0, q, k, v, softcap=CAP)
@@ -191,8 +140,8 @@ def test_mixed_step(monkeypatch, hq, hkv, grouped, decode, window):
 def test_long_prefill_in_blocks_of_query_rows(monkeypatch):
     """A prefill chunk whose scores exceed ``SINK_SCORES_BYTES`` attends in blocks of query rows."""
     monkeypatch.setattr(rollout_attention, "SINK_SCORES_BYTES", 4 * 2 * 4 * 20)  # 4 heads' rows a block
-    cache = _pool(2)
-    chunks, _, tables_T, pos_T, (q, k, v) = _mixed_case(cache, 4, 2, seed=3)
+    cache = pc.pool(2)
+    chunks, _, tables_T, pos_T, (q, k, v) = pc.mixed_case(cache, 4, 2, seed=3, scale=2.0)
     attn = PagedAttention.build(cache, chunks[2:], torch.device("cpu"))
     out = attn(0, q[2:], k[2:], v[2:], softcap=CAP)
     _check(out, _reference(q[2:], cache.k_S[0], cache.v_S[0], tables_T[2:], pos_T[2:], None, CAP))
@@ -202,12 +151,12 @@ def test_long_prefill_in_blocks_of_query_rows(monkeypatch):
 def test_layer_window_attention(decode):
     """Layers 0 sliding and 1 full (``LayerWindowAttention``, Gemma 2's layout), in a mixed step and a decode
     step."""
-    cache = _pool(2, layers=2)
-    chunks, tables, tables_T, pos_T, (q, k, v) = _mixed_case(cache, 4, 2)
+    cache = pc.pool(2, layers=2)
+    chunks, tables, tables_T, pos_T, (q, k, v) = pc.mixed_case(cache, 4, 2, scale=2.0)
     cpu = torch.device("cpu")
     mixed = PagedAttention.build(cache, chunks, cpu, 3, window_layers=(0,))
     dec = PagedAttention.for_decode(
-        cache, _padded(cache, tables[:2]), torch.tensor([4, 11]), 3, decode_attention=decode, window_layers=(0,)
+        cache, pc.padded(cache, tables[:2]), torch.tensor([4, 11]), 3, decode_attention=decode, window_layers=(0,)
     )
     assert isinstance(mixed, LayerWindowAttention) and isinstance(dec, LayerWindowAttention)
     for layer, window in ((0, 3), (1, None)):
@@ -222,8 +171,8 @@ def test_layer_window_attention(decode):
 
 def test_varlen_prefill_refuses_the_cap():
     """A prefill-graph step (flash's varlen kernel, which has no cap) asked for a cap says what to set."""
-    cache = _pool(2)
-    chunks, _, tables_T, pos_T, (q, k, v) = _mixed_case(cache, 4, 2)
+    cache = pc.pool(2)
+    chunks, _, tables_T, pos_T, (q, k, v) = pc.mixed_case(cache, 4, 2, scale=2.0)
     i32 = dict(dtype=torch.int32)
     attn = PagedAttention.for_prefill(
         cache, torch.zeros(q.shape[0], dtype=torch.long), torch.zeros(3, dtype=torch.long),
@@ -242,7 +191,7 @@ def test_prefill_graphs_name_the_cap_where_flash_would_run(monkeypatch):
 
     monkeypatch.setattr(prefill_graph, "varlen_available", lambda: True)
     _, cfg = make_model(0, arch="gemma2")
-    cache = _pool(2, dtype=torch.bfloat16, dh=16)
+    cache = pc.pool(2, dtype=torch.bfloat16, dh=16)
     engine = SimpleNamespace(tp_size=1, cache=cache, sliding_window=None, model_config=cfg)
     assert "soft-cap" in prefill_graph.PrefillGraphRunner.supported(engine)
 
@@ -260,11 +209,11 @@ def emulated_kernel_module(monkeypatch):
 def test_triton_kernel_code_emulated_on_cpu(emulated_kernel_module, window, hq, hkv, bs, tile, splits):
     """The Triton decode kernel's own code (``tests/helpers/fake_triton``) with the cap: the torch loop's
     output and the reference's, for every split count; and a cap that bends nothing leaves it unchanged."""
-    cache = _pool(hkv, num_blocks=80, bs=bs)
+    cache = pc.pool(hkv, num_blocks=80, bs=bs)
     ctx = [1, 4, 16, 17, 45, 33, 70]
-    tables = _tables(cache, ctx)
-    bt_BN, ctx_B = _padded(cache, tables, -(-max(ctx) // bs) + 1), torch.tensor(ctx)
-    q = _qkv(len(ctx), hq, hkv, seed=5)[0]
+    tables = pc.tables(cache, ctx)
+    bt_BN, ctx_B = pc.padded(cache, tables, -(-max(ctx) // bs) + 1), torch.tensor(ctx)
+    q = pc.qkv(len(ctx), hq, hkv, seed=5, scale=2.0)[0]
     k_S, v_S = cache.k_S[0], cache.v_S[0]
     out = emulated_kernel_module.paged_decode_triton(
         q, k_S, v_S, bt_BN, ctx_B, bs, window, tile=tile, num_splits=splits, softcap=CAP
@@ -289,26 +238,26 @@ def test_rotary_kernel_code_emulated_on_cpu(emulated_kernel_module, splits):
     from areno.models.fused_ops import eager_rope_write_kv
     from areno.rollout.fused_loop import new_token_slots_torch
 
-    cache = _pool(2, num_blocks=80)
-    hq, hkv, dh = 6, 2, D
+    cache = pc.pool(2, num_blocks=80)
+    hq, hkv, dh = 6, 2, pc.D
     ctx = [1, 4, 16, 17, 45, 33]
-    tables = _tables(cache, ctx)
-    bt_BN, ctx_B = _padded(cache, tables, 13), torch.tensor(ctx)
+    tables = pc.tables(cache, ctx)
+    bt_BN, ctx_B = pc.padded(cache, tables, 13), torch.tensor(ctx)
     g = torch.Generator().manual_seed(6)
     qkv = 2 * torch.randn(len(ctx), (hq + 2 * hkv) * dh, generator=g)
     angle = (ctx_B - 1).float()[:, None] * torch.rand(dh // 2, generator=g)
     cos, sin = angle.cos(), angle.sin()
-    slot_B = new_token_slots_torch(bt_BN, ctx_B, BS, cache.scratch_block * BS)
+    slot_B = new_token_slots_torch(bt_BN, ctx_B, pc.BS, cache.scratch_block * pc.BS)
     k_ref, v_ref = cache.k_S[0].clone(), cache.v_S[0].clone()
     q = eager_rope_write_kv(qkv, hq, hkv, cos, sin, k_ref, v_ref, slot_B)
-    ref = paged_decode_torch(q, k_ref, v_ref, bt_BN, ctx_B, BS, None, softcap=CAP)
+    ref = paged_decode_torch(q, k_ref, v_ref, bt_BN, ctx_B, pc.BS, None, softcap=CAP)
     out = emulated_kernel_module.paged_decode_rotary(
-        qkv, hq, hkv, cos, sin, cache.k_S[0], cache.v_S[0], slot_B, bt_BN, ctx_B, BS, None, tile=16,
+        qkv, hq, hkv, cos, sin, cache.k_S[0], cache.v_S[0], slot_B, bt_BN, ctx_B, pc.BS, None, tile=16,
         num_splits=splits, softcap=CAP,
     )  # fmt: skip
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert torch.equal(cache.k_S[0], k_ref) and torch.equal(cache.v_S[0], v_ref)
-    assert (out - paged_decode_torch(q, k_ref, v_ref, bt_BN, ctx_B, BS, None)).abs().max() > 0.05
+    assert (out - paged_decode_torch(q, k_ref, v_ref, bt_BN, ctx_B, pc.BS, None)).abs().max() > 0.05
 
 
 @pytest.mark.gpu
@@ -320,12 +269,12 @@ def test_triton_kernel_caps_as_the_torch_loop_on_gpu(dtype, atol, window, splits
     """The compiled Triton kernel with the cap (``_soft_cap``) against the torch loop on the GPU."""
     from areno.rollout.paged_decode import paged_decode_triton
 
-    cache = _pool(2, num_blocks=80, dtype=dtype, device="cuda", dh=64)
+    cache = pc.pool(2, num_blocks=80, dtype=dtype, device="cuda", dh=64)
     ctx = [1, 4, 16, 17, 45, 33, 70]
-    tables = _tables(cache, ctx)
-    bt_BN, ctx_B = _padded(cache, tables, 19).cuda(), torch.tensor(ctx, device="cuda")
+    tables = pc.tables(cache, ctx)
+    bt_BN, ctx_B = pc.padded(cache, tables, 19).cuda(), torch.tensor(ctx, device="cuda")
     q = (torch.randn(len(ctx), 6, 64, device="cuda") * 3).to(dtype)
     k_S, v_S = cache.k_S[0], cache.v_S[0]
-    out = paged_decode_triton(q, k_S, v_S, bt_BN, ctx_B, BS, window, num_splits=splits, softcap=CAP)
-    ref = paged_decode_torch(q, k_S, v_S, bt_BN, ctx_B, BS, window, softcap=CAP)
+    out = paged_decode_triton(q, k_S, v_S, bt_BN, ctx_B, pc.BS, window, num_splits=splits, softcap=CAP)
+    ref = paged_decode_torch(q, k_S, v_S, bt_BN, ctx_B, pc.BS, window, softcap=CAP)
     torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=atol)
