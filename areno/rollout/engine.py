@@ -209,6 +209,7 @@ class RolloutEngine:
     ) -> None:
         self.model = model.eval()
         self.model_config = model_config
+        self.logit_map = LogitMap.of(model_config)  # what the sampler's logits take (read every decode step)
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         param = next(model.parameters())
@@ -626,7 +627,7 @@ class RolloutEngine:
         """Full-vocabulary logits [B, V]: fp32 on CPU, the model's dtype on CUDA (the sampler reads
         them in fp32, exactly the values of a cast); a mapped head's (``LogitMap``: Granite's ``logits_scaling``,
         Gemma 2's ``final_logit_softcapping``) mapped in fp32 on both, as the trainer's log-probs map them."""
-        mapped = LogitMap.of(self.model_config) or (lambda z_BV: z_BV)
+        mapped = self.logit_map or (lambda z_BV: z_BV)
         fp32 = self._fp32_logits(hidden_BD)
         if fp32 is not None:
             return mapped(fp32)

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from areno.models.eager_ops import LogitMap
 from areno.models.hf_io import load_model
 from areno.models.tp_plan import shard_tensor, tp_plan, tp_style
 from areno.models.vision import ImageInputs
@@ -119,8 +118,8 @@ class TensorParallelRolloutEngine(RolloutEngine):
         local_BV = self._fp32_logits(hidden_BD)
         if local_BV is None:
             local_BV = self.model.logits(hidden_BD).float()  # mapped by the model where it maps
-        elif (logit_map := LogitMap.of(self.model_config)) is not None:  # each logit on its own: a shard as the whole
-            local_BV = logit_map(local_BV)
+        elif self.logit_map is not None:  # each logit on its own: a shard as the whole
+            local_BV = self.logit_map(local_BV)
         if self.model_config.tie_word_embeddings:
             return local_BV  # the embedding is replicated: full logits already
         parts = [torch.empty_like(local_BV) for _ in range(self.tp_size)]
