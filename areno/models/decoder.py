@@ -510,7 +510,7 @@ class DecoderModel(nn.Module):
 
 class Decoder(nn.Module):
     """Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral / OLMo 2 / OLMo 3 / Gemma 3 / Phi-3 / SmolLM3 / gpt-oss /
-    GLM-4 / Ernie 4.5 / EXAONE 4 decoder over packed
+    GLM-4 / Ernie 4.5 / EXAONE 4 / Gemma 2 / Granite 3 decoder over packed
     1-D token streams.
 
     Tensor parallelism without torch.distributed in the model: with ``tp_size > 1`` this module
