@@ -162,7 +162,9 @@ class PackedCausalAttention:
 
     With ``sinks`` (gpt-oss) or ``softcap`` (Gemma 2's soft-capped scores) ``auto`` is flex on CUDA (sinks:
     its log-sum-exp rescaled by ``apply_sinks``; the cap: a ``score_mod``) and sdpa elsewhere, whose
-    per-sequence calls are then ``explicit_attention``; the other impls, which have neither, are refused.
+    per-sequence calls are then ``explicit_attention``; on CPU the cap alone takes sdpa_padded's explicit
+    batches (``CpuExplicitAttention`` with the cap) where they all fit and pad little. The other impls,
+    which have neither, are refused.
     """
 
     IMPLS = ("auto", "sdpa", "sdpa_mask", "sdpa_padded", "flex", "varlen")
@@ -252,6 +254,10 @@ class PackedCausalAttention:
             )
         if scored and impl == "auto":  # the impls that take them: flex (log-sum-exp, score_mod) or explicit scores
             impl = "flex" if device.type == "cuda" and not small_heads else "sdpa"
+            if device.type == "cpu" and not self.sinks:  # soft-capped scores as explicit padded batches where they fit
+                layout = self._padded_layout(device, dtype, query_heads)
+                if layout.explicit_everywhere and _pads_little(layout, num_tokens):
+                    impl = "sdpa_padded"
         if scored and impl == "flex" and (device.type != "cuda" or small_heads):
             raise ValueError(
                 f"attention with {score_terms_name(self.sinks, self.softcap)} as flex runs on CUDA with head dims "
@@ -269,7 +275,7 @@ class PackedCausalAttention:
                 # sequences cost one SDPA call each, so below a few thousand tokens one masked call per
                 # layer is cheaper (the T x T mask stays small)
                 layout = self._padded_layout(device, dtype, query_heads)
-                if layout is not None and sum(b.num_seqs * b.len_q for b in layout.buckets) <= 2 * num_tokens:
+                if _pads_little(layout, num_tokens):
                     impl = "sdpa_padded"
                 else:
                     impl = "sdpa_mask" if num_tokens <= SDPA_MASK_MAX_TOKENS else "sdpa"
@@ -299,7 +305,14 @@ class PackedCausalAttention:
         """The sequences' ``padded_layout`` (explicit bf16 batches, in query blocks where they pay, on CPU)."""
         cu = self.cu_seqlens_B1.cpu().numpy()
         return padded_layout(
-            cu, cu, device, end_aligned=False, query_heads=query_heads or 1, dtype=dtype, window=self.sliding_window
+            cu,
+            cu,
+            device,
+            end_aligned=False,
+            query_heads=query_heads or 1,
+            dtype=dtype,
+            window=self.sliding_window,
+            scored=self.softcap is not None,
         )
 
     def _doc_ids_T(self, device: torch.device) -> torch.Tensor:
@@ -354,7 +367,7 @@ class PackedCausalAttention:
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _sdpa_padded(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
-        return padded_sdpa(q_THD, k_THD, v_THD, self._state)
+        return padded_sdpa(q_THD, k_THD, v_THD, self._state, self.softcap)
 
     def _varlen(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
         cu, max_len, has_gqa, has_window = self._state
@@ -401,6 +414,11 @@ class PackedCausalAttention:
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._state, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
+
+
+def _pads_little(layout: PaddedLayout, num_tokens: int) -> bool:
+    """Whether a padded layout's batches pad at most as many query rows as the sequences have."""
+    return sum(b.num_seqs * b.len_q for b in layout.buckets) <= 2 * num_tokens
 
 
 _FLEX = None
@@ -507,6 +525,11 @@ class PaddedLayout:
     out_index: torch.Tensor
     buckets: list[PadBucket]
 
+    @property
+    def explicit_everywhere(self) -> bool:
+        """Whether every batch attends through ``CpuExplicitAttention`` (has its bias)."""
+        return all(b.bias_B1QK is not None for b in self.buckets)
+
 
 def padded_layout(
     cu_q_B1: np.ndarray,
@@ -519,6 +542,7 @@ def padded_layout(
     dtype: torch.dtype | None = None,
     query_block: int | None = None,
     window: int | None = None,
+    scored: bool = False,
 ) -> PaddedLayout:
     """``padded_sdpa``'s layout of query sequences: sequence s's queries are rows ``cu_q_B1[s]:cu_q_B1[s+1]``
     of q, its keys entries ``cu_k_B1[s]:cu_k_B1[s+1]`` of ``key_rows`` (rows of k and v; default: the
@@ -530,12 +554,13 @@ def padded_layout(
     reads, and the sequences may be cut into blocks of ``query_block`` (default ``QUERY_BLOCK``; elsewhere
     none unless given) query rows, each with the keys up to its last row (end-aligned), where those blocks'
     batches cost less. ``window``: a query at position p sees keys p - window < j <= p only (every batch
-    then takes a mask)."""
+    then takes a mask). ``scored``: the scores are soft-capped (Gemma 2), which SDPA cannot do, so on CPU the
+    batches are explicit in any dtype (``explicit_everywhere`` says whether every one of them fits)."""
     len_q, len_k = np.diff(cu_q_B1), np.diff(cu_k_B1)
     if np.any((len_q == 0) & (len_k > 0)):
         raise ValueError("padded_layout: a query sequence without query rows has keys")
     key_rows = np.arange(int(cu_k_B1[-1])) if key_rows is None else np.asarray(key_rows)
-    explicit = torch.device(device).type == "cpu" and dtype == torch.bfloat16
+    explicit = torch.device(device).type == "cpu" and (dtype == torch.bfloat16 or scored)
     if explicit and query_block is None:
         query_block = QUERY_BLOCK
     whole = max(int(len_q.max(initial=0)), 1)
@@ -589,9 +614,16 @@ def _pieces(len_q: np.ndarray, len_k: np.ndarray, block: int) -> tuple[np.ndarra
     return seq, j, q_hi - j * block, len_k[seq] - len_q[seq] + q_hi, block
 
 
-def padded_sdpa(q_THD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor, layout: PaddedLayout) -> torch.Tensor:
+def padded_sdpa(
+    q_THD: torch.Tensor,
+    k_KHD: torch.Tensor,
+    v_KHD: torch.Tensor,
+    layout: PaddedLayout,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """SDPA over packed query sequences right-padded into batches (``padded_layout``): q's rows and k's and
-    v's gathered into the batches' slots, one SDPA call a batch. Returns q's rows."""
+    v's gathered into the batches' slots, one SDPA call a batch. Returns q's rows. ``softcap``: soft-capped
+    scores (Gemma 2), for a layout made ``scored`` whose batches are all explicit."""
     buckets = layout.buckets
     if not buckets:  # no query rows
         return q_THD.clone()
@@ -609,16 +641,23 @@ def padded_sdpa(q_THD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor, l
             x.view(b.num_seqs, length, *x.shape[1:]).transpose(1, 2)
             for x, length in ((q, b.len_q), (k, b.len_k), (v, b.len_k))
         )
-        outs.append(_padded_batch(q, k, v, b).transpose(1, 2).reshape(b.num_seqs * b.len_q, *q_THD.shape[1:]))
+        out = _padded_batch(q, k, v, b, softcap)
+        outs.append(out.transpose(1, 2).reshape(b.num_seqs * b.len_q, *q_THD.shape[1:]))
     out_flat = torch.cat(outs) if len(outs) > 1 else outs[0]
     return out_flat.index_select(0, layout.out_index)
 
 
-def _padded_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: PadBucket) -> torch.Tensor:
+def _padded_batch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: PadBucket, softcap: float | None = None
+) -> torch.Tensor:
     """One padded batch's attention [B, Hq, len_q, Dh] (``padded_sdpa``)."""
     # the CPU flash kernel runs slower in bfloat16 than in float32 (forward and backward), and in float32
     # slower than explicit GEMMs where the scores fit
     cpu_bf16 = q.dtype == torch.bfloat16 and q.device.type == "cpu"
+    if softcap is not None:
+        if b.bias_B1QK is None:
+            raise ValueError("soft-capped scores need the explicit batches of a padded_layout(scored=True) on CPU")
+        return CpuExplicitAttention.apply(q, k, v, b.bias_B1QK, softcap)
     if cpu_bf16 and b.bias_B1QK is not None:  # padded_layout's explicit batches
         return CpuExplicitAttention.apply(q, k, v, b.bias_B1QK)
     mask = {"is_causal": True} if b.mask_BQK is None else {"attn_mask": b.mask_BQK[:, None]}
@@ -630,16 +669,17 @@ def _padded_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: PadBucke
 
 
 class CpuExplicitAttention(torch.autograd.Function):
-    """(q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D] in bf16, an fp32 additive bias [B or 1, 1, Sq, Sk])
-    -> softmax(q k^T / sqrt(D) + bias) v [B, Hq, Sq, D] in bf16, with flash attention's precision on a
-    GPU: the scores S and dP in fp32 (float32 GEMMs: a CPU GEMM has no bf16 product with an fp32
-    result), P and dS rounded to bf16 for the other four GEMMs, the softmax and its gradient in fp32.
-    The query heads of a key head are stacked into one matrix (GQA without repeating k and v); every
-    row needs one finite bias entry. Faster than the CPU flash kernel at the short padded sequences
-    of RL batches (bench/LOG.md: the CPU training attention)."""
+    """(q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D], an fp32 additive bias [B or 1, 1, Sq, Sk], and optionally
+    Gemma 2's ``softcap``) -> softmax(cap(q k^T / sqrt(D)) + bias) v [B, Hq, Sq, D] in q's dtype, with flash
+    attention's precision on a GPU: the scores S and dP in fp32 (float32 GEMMs: a CPU GEMM has no bf16 product
+    with an fp32 result), P and dS rounded to q's dtype for the other four GEMMs, the softmax, the cap
+    ``c * tanh(s / c)`` and their gradients in fp32 (the cap's tanh kept for backward). The query heads of a
+    key head are stacked into one matrix (GQA without repeating k and v); every row needs one finite bias
+    entry. Faster than the CPU flash kernel at the short padded sequences of RL batches (bench/LOG.md: the
+    CPU training attention)."""
 
     @staticmethod
-    def forward(ctx, q_BHSD, k_BHSD, v_BHSD, bias_B1QK):
+    def forward(ctx, q_BHSD, k_BHSD, v_BHSD, bias_B1QK, softcap=None):
         B, Hq, Sq, D = q_BHSD.shape
         Hkv, Sk = k_BHSD.shape[1], k_BHSD.shape[2]
         g = Hq // Hkv
@@ -648,31 +688,39 @@ class CpuExplicitAttention(torch.autograd.Function):
             scores_BGK = torch.matmul(
                 q_BGD.to(torch.float32, copy=True).mul_(D**-0.5), k_BHSD.float().transpose(-1, -2)
             )
+            tanh_BGK = None
+            if softcap is not None:
+                tanh_BGK = scores_BGK.div_(softcap).tanh_()
+                scores_BGK = tanh_BGK * softcap
             p_BGK = torch.empty_like(scores_BGK, dtype=q_BHSD.dtype)
             for a, b in _batch_slices(B, Hq * Sq * Sk):
                 bias = bias_B1QK[a:b] if bias_B1QK.shape[0] > 1 else bias_B1QK  # per sequence, or one for all
                 z = scores_BGK[a:b].view(b - a, Hkv, g, Sq, Sk).add_(bias[:, :, None])
                 p_BGK[a:b] = torch.softmax(z, dim=-1).view(b - a, Hkv, g * Sq, Sk)
-            ctx.save_for_backward(q_BGD, k_BHSD, v_BHSD, p_BGK)
+            ctx.save_for_backward(q_BGD, k_BHSD, v_BHSD, p_BGK, tanh_BGK)
             return torch.matmul(p_BGK, v_BHSD).view(B, Hq, Sq, D)
 
     @staticmethod
     def backward(ctx, grad_out_BHSD):
-        q_BGD, k_BHSD, v_BHSD, p_BGK = ctx.saved_tensors
+        q_BGD, k_BHSD, v_BHSD, p_BGK, tanh_BGK = ctx.saved_tensors
         B, Hkv, GS, D = q_BGD.shape
         with torch.autocast(q_BGD.device.type, enabled=False):
             grad_out_BGD = grad_out_BHSD.reshape(B, Hkv, GS, D)
             grad_p_BGK = torch.matmul(grad_out_BGD.float(), v_BHSD.float().transpose(-1, -2))
             grad_s_BGK = torch.empty_like(p_BGK)
             for a, b in _batch_slices(B, Hkv * GS * p_BGK.shape[-1]):
-                # softmax backward: dS = P * (dP - rowsum(dP * P)), over the bf16 P the second GEMM read
+                # softmax backward: dZ = P * (dP - rowsum(dP * P)), over the bf16 P the second GEMM read
                 dp, p = grad_p_BGK[a:b], p_BGK[a:b].float()
-                grad_s_BGK[a:b] = dp.sub_((dp * p).sum(-1, keepdim=True)).mul_(p)
+                dz = dp.sub_((dp * p).sum(-1, keepdim=True)).mul_(p)
+                if tanh_BGK is not None:  # through the cap: d(c tanh(s / c)) / ds = 1 - tanh^2
+                    t = tanh_BGK[a:b]
+                    dz.mul_(1 - t * t)
+                grad_s_BGK[a:b] = dz
             grad_out_BGD = grad_out_BGD.to(p_BGK.dtype)
             grad_v = torch.matmul(p_BGK.transpose(-1, -2), grad_out_BGD)
             grad_q = (torch.matmul(grad_s_BGK, k_BHSD).float() * D**-0.5).to(q_BGD.dtype)
             grad_k = (torch.matmul(grad_s_BGK.transpose(-1, -2), q_BGD).float() * D**-0.5).to(q_BGD.dtype)
-        return grad_q.view(grad_out_BHSD.shape), grad_k, grad_v, None
+        return grad_q.view(grad_out_BHSD.shape), grad_k, grad_v, None, None
 
 
 def _batch_slices(batch: int, scores_per_item: int) -> list[tuple[int, int]]:

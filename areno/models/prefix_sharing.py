@@ -152,7 +152,8 @@ class SharedPrefixAttention:
     ``sliding_window`` / ``window_layers``: as ``PackedCausalAttention``'s (a window-less twin serves the
     other layers where only some slide). ``sinks``: the layers pass sink logits (gpt-oss); ``softcap``: they
     soft-cap their scores (Gemma 2); ``attention.explicit_attention`` applies either per query sequence over its
-    gathered keys."""
+    gathered keys, except a cap alone on CPU, which the padded batches' explicit attention applies where they
+    all fit (``padded_layout(scored=True)``)."""
 
     def __init__(
         self,
@@ -202,10 +203,28 @@ class SharedPrefixAttention:
             )
         seq_q = sh.cu_q_B1[1:] - sh.cu_q_B1[:-1]
         seq_k = sh.cu_k_B1[1:] - sh.cu_k_B1[:-1]
-        if self.sinks or self.softcap is not None:  # per query sequence: its rows, and where its keys come from
+        scored = self.sinks or self.softcap is not None
+        # a soft-cap alone, on CPU: explicit padded batches with the cap, where they all fit
+        capped = self.softcap is not None and not self.sinks and device.type == "cpu"
+        layout = None
+        if capped or not (flash or scored):
+            layout = padded_layout(
+                sh.cu_q_B1.numpy(),
+                sh.cu_k_B1.numpy(),
+                device,
+                end_aligned=True,
+                key_rows=sh.key_index_K.numpy(),
+                query_heads=query_heads or 1,
+                dtype=dtype,
+                window=self.sliding_window,
+                scored=self.softcap is not None,
+            )
+        if layout is not None and (not scored or layout.explicit_everywhere):
+            self._state = ("padded", layout)
+        elif scored:  # per query sequence: its rows, and where its keys come from
             keys = sh.key_index_K.to(device, non_blocking=True)
             self._state = ("explicit", sh.cu_q_B1.tolist(), sh.cu_k_B1.tolist(), keys)
-        elif flash:
+        else:
             i32 = lambda cu: cu.to(device=device, dtype=torch.int32, non_blocking=True)
             # varlen_features inspects a signature: read here, not inside compiled layers
             self._state = (
@@ -217,18 +236,6 @@ class SharedPrefixAttention:
                 int(seq_k.max()),
                 *varlen_features(),
             )
-        else:
-            layout = padded_layout(
-                sh.cu_q_B1.numpy(),
-                sh.cu_k_B1.numpy(),
-                device,
-                end_aligned=True,
-                key_rows=sh.key_index_K.numpy(),
-                query_heads=query_heads or 1,
-                dtype=dtype,
-                window=self.sliding_window,
-            )
-            self._state = ("padded", layout)
         self._prepared_for = (num_tokens, device, flash)
 
     @property
@@ -269,4 +276,4 @@ class SharedPrefixAttention:
                 q_THD, k_KHD, v_KHD, cu_q, cu_k, max_q, max_k, window, has_gqa=has_gqa, has_window=has_window
             )
         # the layout gathers each padded key slot from k and v directly
-        return padded_sdpa(q_THD, k_THD, v_THD, self._state[1])
+        return padded_sdpa(q_THD, k_THD, v_THD, self._state[1], softcap)

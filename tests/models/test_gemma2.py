@@ -178,6 +178,39 @@ def test_packed_attention_caps_its_scores_and_refuses_the_impls_that_cannot(wind
         attn(0, q, k, v)
 
 
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_cpu_attention_caps_in_explicit_padded_batches_with_the_caps_gradient(monkeypatch, window, dtype, atol):
+    """On CPU the cap runs in the padded batches' explicit attention (``CpuExplicitAttention``): values and
+    gradients those of float64 capped scores, float32 exactly and bf16 within its rounding; batches beyond
+    ``CPU_EXPLICIT_MAX_SCORES`` go back to the per-sequence explicit form, with the same values."""
+    from areno.models import attention as attn_mod
+
+    cu = [0, 7, 8, 19]
+    q, k, v = (x.detach().to(dtype).requires_grad_() for x in _qkv(19, seed=1))
+    g_out = torch.linspace(-1, 1, 19 * 4 * 8).view(19, 4, 8)
+    ref_in = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = _capped_sdpa(*ref_in, cu, window, 2.0).double()
+    ref.backward(g_out.double())
+
+    def run():
+        attn = PackedCausalAttention(torch.tensor(cu), sliding_window=window, softcap=2.0)
+        out = attn(0, q, k, v, softcap=2.0)
+        grads = torch.autograd.grad(out, (q, k, v), g_out.to(dtype))
+        return attn._impl, out, *grads
+
+    impl, *got = run()
+    assert impl == "sdpa_padded"
+    for a, b in zip(got, (ref, *(x.grad for x in ref_in))):
+        scale = 1.0 if dtype == torch.float32 else b.abs().max().item()
+        torch.testing.assert_close(a.double(), b, rtol=0 if scale != 1.0 else 1e-5, atol=atol * scale)
+    monkeypatch.setattr(attn_mod, "CPU_EXPLICIT_MAX_SCORES", 0)
+    impl, *fallback = run()
+    assert impl == "sdpa"
+    for a, b in zip(fallback, got):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=atol * max(1.0, b.abs().max().item()))
+
+
 def test_shared_prompts_compute_the_same_capped_attention_and_gradients():
     """``train.share_prompts``: a group's prompt computed once attends with the cap as the unshared forward,
     values and gradients (layer 0 windowed, layer 1 full, as Gemma 2's)."""
@@ -200,8 +233,9 @@ def test_shared_prompts_compute_the_same_capped_attention_and_gradients():
     for shared in (False, True):
         model.zero_grad()
         if shared:
-            hidden = model(ids_T[sharing.source_C], pos[sharing.source_C], SharedPrefixAttention(sharing, **windows))
-            hidden = hidden[sharing.expand_T]
+            shared_attn = SharedPrefixAttention(sharing, **windows)
+            hidden = model(ids_T[sharing.source_C], pos[sharing.source_C], shared_attn)[sharing.expand_T]
+            assert shared_attn.padded is not None  # the cap in explicit padded batches, not per sequence
         else:
             hidden = model(ids_T, pos, PackedCausalAttention(cu, **windows))
         (hidden * torch.linspace(-1, 1, hidden.numel()).view_as(hidden)).sum().backward()
