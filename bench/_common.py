@@ -196,6 +196,32 @@ GEMMA3_1B = {
     "pad_token_id": 0,
     "torch_dtype": "bfloat16",
 }
+GEMMA2_2B = {
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "vocab_size": 256000,
+    "max_position_embeddings": 8192,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "layer_types": ["sliding_attention", "full_attention"] * 13,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+    "torch_dtype": "bfloat16",
+}
+"""gemma-2-2b's shape."""
 
 COMMIT_ENV = "ARENO_COMMIT"
 """Overrides the commit read from git: a run from an exported tree (``git archive``, no ``.git``)

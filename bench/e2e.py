@@ -83,13 +83,25 @@ from areno.models.hf_io import init_model_dir
 from areno.observe.profile import profiled_step
 from areno.types import SamplingParams
 from areno.workflows.rlvr import RLVRWorkflow
-from bench._common import GEMMA3_1B, OLMO2_1B, QWEN25_05B, QWEN25_15B, emit, headline, keep_work_dir, parser, work_dir
+from bench._common import (
+    GEMMA2_2B,
+    GEMMA3_1B,
+    OLMO2_1B,
+    QWEN25_05B,
+    QWEN25_15B,
+    emit,
+    headline,
+    keep_work_dir,
+    parser,
+    work_dir,
+)
 
 # e2e's configs carry no bos/eos token ids: the completion length stays fixed for both systems
 E2E_05B = {k: v for k, v in QWEN25_05B.items() if k not in ("bos_token_id", "eos_token_id")}
 E2E_15B = {k: v for k, v in QWEN25_15B.items() if k not in ("bos_token_id", "eos_token_id")}
 E2E_OLMO2_1B = {k: v for k, v in OLMO2_1B.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
 E2E_GEMMA3_1B = {k: v for k, v in GEMMA3_1B.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
+E2E_GEMMA2_2B = {k: v for k, v in GEMMA2_2B.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
 TINY = {
     **E2E_05B,
     "hidden_size": 64,
@@ -199,6 +211,7 @@ SHAPES = {
     "1.5b": (E2E_15B, 64, 512),
     "olmo2-1b": (E2E_OLMO2_1B, 64, 512),
     "gemma3-1b": (E2E_GEMMA3_1B, 64, 512),
+    "gemma2-2b": (E2E_GEMMA2_2B, 64, 512),
     "tiny": (TINY, 16, 32),
     "cpu12m": (CPU12M, 32, 128),
     "cpu5m": (CPU5M, 34, 128),
@@ -832,7 +845,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shapes",
         default=None,
-        help="comma list of 0.5b,1.5b,olmo2-1b,gemma3-1b,tiny,cpu12m,cpu5m,cpu5m-olmo2,cpu5m-gemma3,cpu5m-gemma2,cpu5m-glm4,cpu5m-granite,cpu5m-phi4mini,cpu5m-ernie45,cpu5m-exaone4 (default: 0.5b,1.5b on CUDA, tiny on CPU)",
+        help="comma list of 0.5b,1.5b,olmo2-1b,gemma3-1b,gemma2-2b,tiny,cpu12m,cpu5m,cpu5m-olmo2,cpu5m-gemma3,cpu5m-gemma2,cpu5m-glm4,cpu5m-granite,cpu5m-phi4mini,cpu5m-ernie45,cpu5m-exaone4 (default: 0.5b,1.5b on CUDA, tiny on CPU)",
     )
     p.add_argument("--systems", default="areno,areno_async,trl", help=f"comma list of {','.join(SYSTEMS)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system")

@@ -31,6 +31,7 @@ from areno.models.attention import (
     varlen_causal,
     varlen_features,
 )
+from areno.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,13 @@ def plan(input_ids_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, loss_mask_T: to
         key_index_K=as_tensor(key_index),
         cu_k_B1=torch.tensor(cu_k, dtype=torch.long),
     )
+
+
+def pays_by_default(config: ModelConfig, device_type: str) -> bool:
+    """Whether ``train.share_prompts=auto`` shares a group's prompt for ``config`` on ``device_type``: not on a
+    GPU where the layers soft-cap their scores (Gemma 2), which ``SharedPrefixAttention`` then attends per
+    query sequence in float32 while the unshared forward takes one flex kernel a layer (bench/LOG.md)."""
+    return not (device_type == "cuda" and config.attn_logit_softcapping is not None)
 
 
 class SharedPrefixAttention:

@@ -598,6 +598,15 @@ class PackedTrainBackend(TrainBackend):
             why = "train.attention=flex, whose document mask has no shared prompts"
         if why is not None and cfg.share_prompts is True:
             raise ConfigError(f"train.share_prompts=true: not with {why}; set train.share_prompts=auto or false")
+        if why is None and cfg.share_prompts == "auto":
+            decoder = next((m for m in model.modules() if isinstance(m, Decoder)), None)
+            if decoder is not None and not prefix_sharing.pays_by_default(decoder.config, self.device.type):
+                logger.info(
+                    "training: prompts not shared (train.share_prompts=auto): on %s this model's shared-prompt "
+                    "attention runs per sequence; train.share_prompts=true shares them anyway",
+                    self.device.type,
+                )
+                return False
         return why is None and cfg.resolved_share_prompts()
 
     def _queues_optimizer_step(self) -> bool:

@@ -18,7 +18,7 @@ from areno.models import Decoder, ModelConfig, PackedCausalAttention, load_model
 from areno.models.attention import explicit_attention
 from areno.models.eager_ops import LogitMap
 from areno.models.logprobs import compiled_logprob_kernels, logprobs_from_hidden, packed_logprobs
-from areno.models.prefix_sharing import SharedPrefixAttention, plan
+from areno.models.prefix_sharing import SharedPrefixAttention, pays_by_default, plan
 from tests.helpers.families import (
     assert_engine_decodes_as_recompute,
     assert_export_reads_back,
@@ -242,6 +242,14 @@ def test_shared_prompts_compute_the_same_capped_attention_and_gradients():
         outs.append((hidden.detach(), model.model.layers[0].self_attn.q_proj.weight.grad.clone()))
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-4, atol=1e-5)
+
+
+def test_auto_shares_prompts_on_cpu_only():
+    """``train.share_prompts=auto`` shares Gemma 2's prompts on CPU (explicit padded batches with the cap) and
+    not on a GPU, where the unshared forward's flex kernel has the cap; other families share on both."""
+    gemma2, qwen2 = tiny_config(40, arch="gemma2"), tiny_config(40, arch="qwen2")
+    assert pays_by_default(gemma2, "cpu") and not pays_by_default(gemma2, "cuda")
+    assert pays_by_default(qwen2, "cpu") and pays_by_default(qwen2, "cuda")
 
 
 def test_explicit_attention_without_terms_is_sdpa():

@@ -289,3 +289,17 @@ def test_varlen_gqa_probe_answers_alike_inside_the_rollout_engines_step(context,
     assert inside == outside
     if "enable_gqa" not in A._varlen_params():  # torch 2.11: flash takes fewer k/v heads
         assert inside
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gemma2_on_cuda_shares_prompts_only_when_asked(tmp_path):
+    """``train.share_prompts=auto`` on a GPU leaves Gemma 2's prompts unshared (its capped attention would run
+    per sequence); ``true`` shares them."""
+    from areno.train import LocalTrainBackend, TrainBackendConfig
+    from tests.helpers.train import make_model_dir
+
+    model_dir = make_model_dir(tmp_path / "g", arch="gemma2", heads=2, kv_heads=1)
+    for share, expected in (("auto", False), (True, True)):
+        backend = LocalTrainBackend(TrainBackendConfig(device="cuda", share_prompts=share))
+        backend.initialize(model_dir)
+        assert backend.model.share_prompts is expected
