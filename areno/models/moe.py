@@ -412,11 +412,13 @@ class SparseMoE(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         logits_TE, weights_TK, experts_TK = self.gate(x_TD)
+        # in the block's dtype: a float32 router's input may be float32 (FSDP2's float32 group casts it)
+        weights_TK = weights_TK.to(x_TD.dtype)
         if self.keep_router_logits and self.training and torch.is_grad_enabled():
             self.router_logits_TE = logits_TE
         if self.replay_TK is not None:
             own_TK = experts_TK
-            weights_TK, experts_TK = self.gate.replayed(logits_TE, experts_TK, self.replay_TK, weights_TK.dtype)
+            weights_TK, experts_TK = self.gate.replayed(logits_TE, experts_TK, self.replay_TK, x_TD.dtype)
             if self.record is not None:  # the router's own choice, and the experts the tokens went to
                 self.record.add(self.layer_idx, own_TK, used_TK=experts_TK)
         elif self.record is not None:

@@ -232,3 +232,47 @@ def test_config_reads_transformers_keys_and_refuses_what_it_does_not_compute():
         from areno.models.tp_plan import check_tp_size
 
         check_tp_size(tiny, 2)
+
+
+def _fsdp_worker(rank, world, model_dir, out):
+    from torch.distributed.fsdp import FSDPModule
+
+    from areno.train import FSDP2TrainBackend, TrainBackendConfig
+    from tests.helpers.train import nll_forward, nll_loss, random_batch, token_denominator
+
+    backend = FSDP2TrainBackend(TrainBackendConfig(lr=1e-2, device="cpu", param_dtype="bfloat16"))
+    backend.initialize(model_dir)
+    routers = moe.float32_routers(backend.model)
+    seen = []
+    for router in routers:
+        router.register_forward_hook(lambda m, args, o: seen.append((m.weight.dtype, o[0].dtype, args[0].dtype)))
+    before = routers[0].weight.detach().full_tensor().clone()
+    metrics = backend.train_step(
+        random_batch([9, 14], 40, 0), forward_fn=nll_forward, loss_fn=nll_loss, denominator_fn=token_denominator
+    )
+    after = routers[0].weight.detach().full_tensor()
+    torch.save(
+        {
+            "routers_sharded_apart": [isinstance(r, FSDPModule) for r in routers],
+            "seen": seen,
+            "expert_dtype": backend.model.model.layers[1].mlp.experts.gate_up_proj.dtype,
+            "router_moved": bool((after - before).abs().max() > 0),
+            "loss": metrics["loss"],
+        },
+        out,
+    )
+    backend.shutdown()
+
+
+@pytest.mark.slow  # a spawned gloo process: about 12 s
+def test_fsdp2_gathers_the_router_in_float32_under_bf16_compute(tmp_path):
+    """FSDP2 (one gloo rank) with bf16 compute over fp32 master weights: each router is a float32 group of its
+    own (``Decoder.float32_modules``), so its forward sees its float32 weight, makes float32 logits and trains."""
+    from tests.helpers.train import make_model_dir, spawn
+
+    model_dir = make_model_dir(tmp_path / "model", arch="glm4_moe")
+    spawn(_fsdp_worker, 1, str(model_dir), str(tmp_path / "out.pt"), tmp=tmp_path)
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert out["routers_sharded_apart"] == [True]
+    assert out["seen"] and all(s == (torch.float32, torch.float32, torch.float32) for s in out["seen"])
+    assert out["router_moved"] and torch.isfinite(torch.tensor(out["loss"]))
