@@ -276,3 +276,91 @@ def test_fsdp2_gathers_the_router_in_float32_under_bf16_compute(tmp_path):
     assert out["routers_sharded_apart"] == [True]
     assert out["seen"] and all(s == (torch.float32, torch.float32, torch.float32) for s in out["seen"])
     assert out["router_moved"] and torch.isfinite(torch.tensor(out["loss"]))
+
+
+def _ep_worker(rank, world):
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from areno.models import PackedCausalAttention
+    from areno.train.expert_parallel import shard_experts
+
+    def loss_of(model, seed):
+        g = torch.Generator().manual_seed(seed)
+        ids_T, cu_B1 = torch.randint(0, 61, (15,), generator=g), torch.tensor([0, 9, 15])
+        pos_T = torch.cat([torch.arange(9), torch.arange(6)])
+        logits_TV = model.logits(model(ids_T, pos_T, PackedCausalAttention(cu_B1)))
+        keep = torch.ones(15, dtype=torch.bool)
+        keep[[8, 14]] = False
+        return torch.nn.functional.cross_entropy(logits_TV[keep], ids_T.roll(-1)[keep], reduction="sum")
+
+    torch.manual_seed(0)
+    full = Decoder(tiny_config(61, arch="glm4_moe", hidden_size=32, layers=3, initializer_range=0.2))
+    with torch.no_grad():
+        for router in moe.float32_routers(full):
+            router.e_score_correction_bias.normal_(0.0, 0.3)
+    ref_loss = sum(loss_of(full, r) for r in range(world))
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in full.named_parameters()}
+    ep = copy.deepcopy(full)
+    ep.zero_grad(set_to_none=True)
+    assert len(shard_experts(ep, init_device_mesh("cpu", (world,)))) == 4  # 2 sparse layers x 2 tensors
+    loss = loss_of(ep, rank)
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(total, ref_loss.detach(), rtol=1e-5, atol=1e-4)
+    for name, p in ep.named_parameters():
+        if ".experts." in name:  # this rank's 4 of the 8 experts
+            grad, expected = p.grad.to_local(), ref_grads[name][4 * rank : 4 * rank + 4]
+        else:  # the routers, the shared experts and the rest: replicated, summed over the ranks
+            grad, expected = p.grad, ref_grads[name]
+            dist.all_reduce(grad)
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow  # two spawned gloo processes
+def test_expert_parallel_2_equals_1_with_shared_experts_and_the_sigmoid_router(tmp_path):
+    from tests.helpers.train import spawn
+
+    spawn(_ep_worker, 2, tmp=tmp_path)
+
+
+def test_a_disk_policy_sync_of_a_bf16_model_writes_what_save_model_writes(tmp_path):
+    """The DISK transport (vLLM / SGLang rollouts, ``sync.disk``) publishes transformers' names, the routers in
+    float32 beside bf16 weights, and the engine reloads it exactly."""
+    from areno.sync.base import NamedTensorSource
+    from areno.sync.disk import DiskTransport, latest_policy
+
+    _saved(tmp_path / "hf")
+    decoder, config = load_model(tmp_path / "hf", dtype=torch.bfloat16)
+    expected = load_file(save_model(decoder, config, tmp_path / "saved") / "model.safetensors")
+    source = NamedTensorSource(lambda: decoder.state_dict().items())
+    DiskTransport(source, tmp_path / "sync", model_dir=tmp_path / "hf", model_config=config).sync(1)
+    path, _ = latest_policy(tmp_path / "sync")
+    synced = {}
+    for shard in path.glob("*.safetensors"):
+        synced.update(load_file(shard))
+    assert sorted(synced) == sorted(expected)
+    for name, t in expected.items():
+        assert synced[name].dtype == t.dtype and torch.equal(synced[name], t), name
+    assert synced["model.layers.2.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    reloaded, _ = load_model(path, dtype=torch.bfloat16)
+    for name, t in decoder.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], t), name
+
+
+def test_lora_adapts_the_attention_and_refuses_the_expert_names_as_for_every_expert_model():
+    from areno.errors import ConfigError
+    from areno.train.config import LoraConfig
+    from areno.train.lora import apply_lora, lora_layers
+
+    model = apply_lora(Decoder(tiny_config(61, arch="glm4_moe")), LoraConfig(target_modules="q_proj,o_proj"))
+    assert sorted(lora_layers(model)) == [
+        f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("o_proj", "q_proj")
+    ]
+    assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    with pytest.raises(ConfigError, match="^train.lora.target_modules: .* not linear .*Experts"):
+        apply_lora(Decoder(tiny_config(61, arch="glm4_moe")), LoraConfig(target_modules="down_proj"))
