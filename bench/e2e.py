@@ -192,6 +192,27 @@ CPU5M_EXAONE4 = {
     "sliding_window": 64,
     "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
 }
+# and in GLM-4.5's (a dense first layer, then 8 experts of 80 and a shared one: about the dense MLP's size; a sigmoid
+# router choosing 2 from the best 2 of 4 groups, scaled by 2.5 as the released models; per-head q/k norms, q/k/v
+# biases, half of each head turned by rotate-half RoPE)
+CPU5M_GLM4_MOE = {
+    **CPU5M,
+    "architectures": ["Glm4MoeForCausalLM"],
+    "model_type": "glm4_moe",
+    "head_dim": 64,
+    "partial_rotary_factor": 0.5,
+    "attention_bias": True,
+    "use_qk_norm": True,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 80,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+}
 # and in Phi-4-mini's (three quarters of each head turned, by LongRoPE's short factors within 4,096 positions)
 _SHORT = [1.0 + 0.05 * i for i in range(24)]
 CPU5M_PHI4_MINI = {
@@ -223,6 +244,7 @@ SHAPES = {
     "cpu5m-phi4mini": (CPU5M_PHI4_MINI, 34, 128),
     "cpu5m-ernie45": (CPU5M_ERNIE45, 34, 128),
     "cpu5m-exaone4": (CPU5M_EXAONE4, 34, 128),
+    "cpu5m-glm4moe": (CPU5M_GLM4_MOE, 34, 128),
 }
 SYSTEMS = (
     "areno",
@@ -845,7 +867,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shapes",
         default=None,
-        help="comma list of 0.5b,1.5b,olmo2-1b,gemma3-1b,gemma2-2b,tiny,cpu12m,cpu5m,cpu5m-olmo2,cpu5m-gemma3,cpu5m-gemma2,cpu5m-glm4,cpu5m-granite,cpu5m-phi4mini,cpu5m-ernie45,cpu5m-exaone4 (default: 0.5b,1.5b on CUDA, tiny on CPU)",
+        help=f"comma list of {','.join(SHAPES)} (default: 0.5b,1.5b on CUDA, tiny on CPU)",
     )
     p.add_argument("--systems", default="areno,areno_async,trl", help=f"comma list of {','.join(SYSTEMS)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system")

@@ -399,11 +399,10 @@ def _param_count(model_config: Any) -> int:
     experts = getattr(model_config, "num_experts", 0)
     if not experts:
         return L * (attn + 3 * h * i + 2 * h) + embed + h
-    # an expert layer holds every expert's SwiGLU and the router; the others keep a dense MLP
-    sparse = sum(
-        (k + 1) % model_config.decoder_sparse_step == 0 and k not in model_config.mlp_only_layers for k in range(L)
-    )
-    expert_mlp = experts * 3 * h * model_config.moe_intermediate_size + h * experts
+    # an expert layer holds every expert's SwiGLU, the router and any shared experts; the others keep a dense MLP
+    sparse = sum(model_config.is_moe_layer(k) for k in range(L))
+    experts += model_config.n_shared_experts  # one expert's width each, without a router row
+    expert_mlp = experts * 3 * h * model_config.moe_intermediate_size + h * model_config.num_experts
     return L * (attn + 2 * h) + sparse * expert_mlp + (L - sparse) * 3 * h * i + embed + h
 
 

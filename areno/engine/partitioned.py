@@ -72,6 +72,7 @@ from areno.launch.scheduler import (
 )
 from areno.launch.storage import check_shared_storage
 from areno.launch.watchdog import process_state
+from areno.models import moe
 from areno.models.config import ModelConfig
 from areno.models.hf_io import read_config
 from areno.models.tp_plan import check_tp_size
@@ -260,11 +261,16 @@ def collective_timeout(config: ArenoConfig) -> datetime.timedelta:
     return datetime.timedelta(seconds=config.cluster.collective_timeout_s)
 
 
-def _sync_config(config: ArenoConfig):
+def _sync_config(config: ArenoConfig, model_config: ModelConfig):
+    """The stream sync's settings; ``model_config``: the synced model's (its float32 tensors keep their dtype on
+    the wire). Both sides must pass the same one: they plan the buckets alike."""
     dtype_name = resolve_dtypes(config, _device_type(config)).rollout
     wire = None if dtype_name == "float32" else getattr(torch, dtype_name)
     return StreamSyncConfig(
-        bucket_bytes=config.cluster.sync_bucket_bytes, timeout_s=config.cluster.sync_timeout_s, wire_dtype=wire
+        bucket_bytes=config.cluster.sync_bucket_bytes,
+        timeout_s=config.cluster.sync_timeout_s,
+        wire_dtype=wire,
+        float32_names=frozenset(moe.float32_names(model_config)),
     )
 
 

@@ -128,7 +128,7 @@ class TrainWorker:
         self.policy = synced[0] if synced else recipe.roles[0].name
         self.transport = StreamTransport(
             topology=layout.stream_topology(),
-            config=_sync_config(cfg),
+            config=_sync_config(cfg, read_config(model_dir)),
             source=NamedTensorSource(partial(synced_weights, backends[self.policy])),
             device=torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else "cpu",
             backend="nccl" if device_type == "cuda" else None,
@@ -279,7 +279,7 @@ class RolloutWorker:
         )
         self.transport = StreamTransport(
             topology=layout.stream_topology(),
-            config=_sync_config(cfg),
+            config=_sync_config(cfg, model_config),
             receiver=self.receiver,
             device=device,
             backend="nccl" if device.startswith("cuda") else None,

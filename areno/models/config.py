@@ -40,6 +40,12 @@ Supported architectures (``architectures[0]`` in ``config.json``) and what sets 
 - ``GraniteForCausalLM`` (IBM Granite 3) Llama's layers and four scalars: embeddings times
   ``embedding_multiplier``, ``attention_multiplier`` as the softmax's scale, each block's output times
   ``residual_multiplier`` before its residual add, and final logits divided by ``logits_scaling``.
+- ``Glm4MoeForCausalLM`` (GLM-4.5, GLM-4.5-Air, GLM-4.6) Llama's pre-norm layers with q/k/v biases, optional per-head
+  q/k norms (``use_qk_norm``) and half of each head turned by rotate-half RoPE (not GLM-4's adjacent pairs); dense
+  MLPs in the first ``first_k_dense_replace`` layers, then expert blocks whose router scores by a sigmoid, chooses
+  within the best groups by score + a correction bias (``router_scoring="sigmoid"``: ``moe.SigmoidRouter``, kept in
+  float32) and whose shared experts add to the routed ones (``n_shared_experts``); the multi-token-prediction
+  layers its checkpoints carry past ``num_hidden_layers`` are skipped on load.
 - ``GptOssForCausalLM``  (gpt-oss) q/k/v/o bias, a learned sink logit per query head in every softmax
   (``attention_sinks``), a 128-token window in every other layer, YaRN; an expert block in every layer
   whose router and experts have biases (``expert_bias``) and whose SwiGLU is clamped
@@ -86,6 +92,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "GraniteForCausalLM": "granite",
     "Ernie4_5ForCausalLM": "ernie4_5",
     "Exaone4ForCausalLM": "exaone4",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 SEQUENCE_CLASSIFIER_SUFFIX = "ForSequenceClassification"
 """transformers' scalar-head layout (``score.weight`` [num_labels, hidden] on the decoder, no LM
@@ -101,7 +108,8 @@ def causal_architecture(arch: str) -> str:
 
 
 GPT_OSS = "GptOssForCausalLM"
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", GPT_OSS)
+GLM4_MOE = "Glm4MoeForCausalLM"
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", GPT_OSS, GLM4_MOE)
 WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "Ministral3ForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 """The layouts transformers gives one sliding window in every layer (``sliding_window`` in config.json)."""
 EXAONE4 = "Exaone4ForCausalLM"
@@ -132,7 +140,7 @@ ROPE_PER_TYPE_ARCHITECTURES = ("Olmo3ForCausalLM", GEMMA3)
 per layer type)."""
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
 GLM4 = "Glm4ForCausalLM"
-PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", GLM4)
+PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", GLM4, GLM4_MOE)
 """The layouts whose transformers class turns only the first ``partial_rotary_factor`` of each head (Phi-4-mini)."""
 GRANITE = "GraniteForCausalLM"
 LLAMA_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "SmolLM3ForCausalLM", GRANITE)
@@ -266,7 +274,26 @@ class ModelConfig:
     """Weight of the router load-balancing loss added to the training loss when ``output_router_logits``."""
     output_router_logits: bool = False
     """Add ``router_aux_loss_coef`` x the load-balancing loss (Switch Transformer's, as transformers
-    computes it) to the training loss, as transformers does when its config sets this flag."""
+    computes it) to the training loss, as transformers does when its config sets this flag. GLM-4.5's
+    class computes no such loss (its router is balanced by ``e_score_correction_bias``): refused there."""
+    router_scoring: str = "softmax"
+    """How the router turns its logits into expert scores: ``softmax`` (Qwen3-MoE, Mixtral, gpt-oss: the top-k
+    of the softmax), or ``sigmoid`` (GLM-4.5's ``Glm4MoeTopkRouter``, ``moe.SigmoidRouter``: each logit's sigmoid,
+    the choice made on score + ``e_score_correction_bias`` within the ``topk_group`` best of ``n_group`` groups, the
+    weights the chosen experts' unbiased scores, renormalised where ``norm_topk_prob``, times
+    ``routed_scaling_factor``; its weight and bias kept in float32, as transformers keeps them)."""
+    n_group: int = 1
+    """Groups the experts are split into for a ``sigmoid`` router's choice (each group scored by the sum of its
+    two best biased scores); 1: no group limit."""
+    topk_group: int = 1
+    """How many of the ``n_group`` groups a token's experts are chosen from."""
+    routed_scaling_factor: float = 1.0
+    """What a ``sigmoid`` router's weights are multiplied by (GLM-4.5: 2.5)."""
+    n_shared_experts: int = 0
+    """Shared experts of each sparse block (GLM-4.5: 1): one ungated SwiGLU MLP ``mlp.shared_experts`` of width
+    ``moe_intermediate_size * n_shared_experts`` that every token passes, added to the routed experts' output."""
+    first_k_dense_replace: int = 0
+    """The first layers that keep a dense MLP of ``intermediate_size`` (GLM-4.5: 3, GLM-4.5-Air: 1)."""
     attention_sinks: bool = False
     """A learned logit per query head joins every softmax's denominator with no value (gpt-oss's
     ``self_attn.sinks``): attention weights sum to less than 1."""
@@ -363,7 +390,7 @@ class ModelConfig:
     def _check_arch_flags(self) -> None:
         """Only flag combinations that transformers' class for ``architecture`` can express."""
         arch = self.architecture
-        if self.qk_norm != (arch in QK_NORM_ARCHITECTURES):
+        if arch != GLM4_MOE and self.qk_norm != (arch in QK_NORM_ARCHITECTURES):  # GLM-4.5's use_qk_norm: either
             raise ValueError(
                 f"qk_norm={self.qk_norm} is impossible for {arch} (only Qwen3, OLMo, Gemma 3 and EXAONE 4 have q/k "
                 "norms)"
@@ -420,7 +447,7 @@ class ModelConfig:
             self.attention_bias or self.attention_out_bias
         ):
             raise ValueError(f"{arch} has no attention bias")
-        if arch == GLM4 and self.attention_out_bias:
+        if arch in (GLM4, GLM4_MOE) and self.attention_out_bias:
             raise ValueError(f"{arch} has no o_proj bias (attention_bias is its q/k/v's)")
         if self.rope_interleaved != (arch in (GLM4, ERNIE4_5)):
             raise ValueError(
@@ -578,6 +605,61 @@ class ModelConfig:
                 f"{arch} renormalises top-k weights in every layer: norm_topk_prob=True, "
                 "decoder_sparse_step=1, mlp_only_layers=()"
             )
+        self._check_sigmoid_router()
+
+    def _check_sigmoid_router(self) -> None:
+        """GLM-4.5's fields (the sigmoid router's groups and scale, shared experts, leading dense layers) on
+        GLM-4.5 only, in range; its router sets no load-balancing loss."""
+        arch, glm = self.architecture, self.architecture == GLM4_MOE
+        if self.router_scoring not in ("softmax", "sigmoid") or (self.router_scoring == "sigmoid") != glm:
+            raise ValueError(
+                f"router_scoring={self.router_scoring!r} is impossible for {arch}: {GLM4_MOE}'s router scores by "
+                "'sigmoid', the other expert layouts' by 'softmax'"
+            )
+        ours = (
+            self.n_group,
+            self.topk_group,
+            self.routed_scaling_factor,
+            self.n_shared_experts,
+            self.first_k_dense_replace,
+        )
+        if not glm and ours != (1, 1, 1.0, 0, 0):
+            raise ValueError(
+                f"n_group, topk_group, routed_scaling_factor, n_shared_experts and first_k_dense_replace are "
+                f"{GLM4_MOE}'s (1, 1, 1.0, 0, 0 elsewhere), not {ours} for {arch}"
+            )
+        if not glm:
+            return
+        scale = self.routed_scaling_factor
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"ModelConfig.routed_scaling_factor must be a positive float, got {scale!r}")
+        object.__setattr__(self, "routed_scaling_factor", float(scale))
+        if self.n_group < 1 or self.num_experts % self.n_group or self.num_experts // self.n_group < 2:
+            raise ValueError(
+                f"ModelConfig.n_group={self.n_group} must divide num_experts={self.num_experts} into groups of at "
+                "least 2 experts (each group is scored by its two best)"
+            )
+        per_group = self.num_experts // self.n_group
+        if not 1 <= self.topk_group <= self.n_group or self.num_experts_per_tok > self.topk_group * per_group:
+            raise ValueError(
+                f"ModelConfig.topk_group={self.topk_group} must be in [1, n_group={self.n_group}] and its groups must "
+                f"hold num_experts_per_tok={self.num_experts_per_tok} experts ({per_group} a group)"
+            )
+        if self.n_shared_experts < 0 or not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise ValueError(
+                f"ModelConfig.n_shared_experts={self.n_shared_experts} must be >= 0 and first_k_dense_replace="
+                f"{self.first_k_dense_replace} in [0, num_hidden_layers={self.num_hidden_layers}]"
+            )
+        if self.decoder_sparse_step != 1 or self.mlp_only_layers:
+            raise ValueError(
+                f"{arch} places its dense layers by first_k_dense_replace: decoder_sparse_step=1, mlp_only_layers=()"
+            )
+        if self.output_router_logits:
+            raise ValueError(
+                f"output_router_logits=true: {arch}'s transformers class computes no load-balancing loss for it (its "
+                "router is balanced by e_score_correction_bias, without an auxiliary loss), so areno has none to "
+                "add: set output_router_logits to false"
+            )
 
     def _check_gpt_oss(self) -> None:
         """gpt-oss's own fields (sinks, expert biases, the clamped SwiGLU) on gpt-oss only, all of them."""
@@ -637,6 +719,7 @@ class ModelConfig:
         """Whether layer ``layer_idx`` holds a sparse expert block (transformers' rule)."""
         return (
             self.num_experts > 0
+            and layer_idx >= self.first_k_dense_replace
             and layer_idx not in self.mlp_only_layers
             and (layer_idx + 1) % self.decoder_sparse_step == 0
         )
@@ -722,6 +805,7 @@ class ModelConfig:
             attn += 2 * dh if self.qk_norm_scope == "head" else (hq + hkv) * dh
         mlp = 3 * d * inter + ((2 * inter + d) if self.mlp_bias else 0)
         moe = self.num_experts * (3 * d * self.moe_intermediate_size + d)  # experts + router row
+        moe += self.n_shared_experts * 3 * d * self.moe_intermediate_size  # GLM-4.5's shared experts
         if self.expert_bias:  # the router's and each expert's gate/up and down biases
             moe += self.num_experts * (1 + 2 * self.moe_intermediate_size + d)
         if self.attention_sinks:
@@ -792,7 +876,7 @@ class ModelConfig:
             qkv_bias, out_bias = True, False
         elif arch in ("MistralForCausalLM", MINISTRAL3, "MixtralForCausalLM", "Phi3ForCausalLM"):
             qkv_bias = out_bias = False
-        elif arch == GLM4:
+        elif arch in (GLM4, GLM4_MOE):
             qkv_bias, out_bias = attn_bias, False
         elif arch == ERNIE4_5:  # one key biases every projection, the MLP's too
             qkv_bias = out_bias = bool(d.get("use_bias", False))
@@ -812,7 +896,7 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            partial_rotary_factor=_read_partial_rotary(d, 0.5 if arch == GLM4 else 1.0),
+            partial_rotary_factor=_read_partial_rotary(d, 0.5 if arch in (GLM4, GLM4_MOE) else 1.0),
             rope_interleaved=arch in (GLM4, ERNIE4_5),
             rope_in_float32=arch == ERNIE4_5,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
@@ -821,7 +905,7 @@ class ModelConfig:
             attention_out_bias=out_bias,
             mlp_bias=_read_mlp_bias(arch, d),
             nope_layers=_nope_layers(arch, d),
-            qk_norm=arch in QK_NORM_ARCHITECTURES,
+            qk_norm=bool(d.get("use_qk_norm")) if arch == GLM4_MOE else arch in QK_NORM_ARCHITECTURES,
             qk_norm_scope="projection" if arch in OLMO_ARCHITECTURES else "head",
             norm_layout=_norm_layout(arch),
             **(_gemma_fields(arch, d) if arch in GEMMA_ARCHITECTURES else {}),
@@ -877,13 +961,14 @@ class ModelConfig:
             GPT_OSS,
             GLM4,
             GRANITE,
+            GLM4_MOE,
         ):
             d["attention_bias"] = self.attention_bias
         if self.architecture in LLAMA_BIAS_ARCHITECTURES:
             d["mlp_bias"] = self.mlp_bias
         if self.architecture == ERNIE4_5:
             d["use_bias"] = self.attention_bias
-        if self.partial_rotary_factor != 1 or self.architecture == GLM4:  # GLM-4's class defaults to 0.5
+        if self.partial_rotary_factor != 1 or self.architecture in (GLM4, GLM4_MOE):  # GLM's classes default to 0.5
             d["partial_rotary_factor"] = self.partial_rotary_factor
         if self.architecture == "Phi3ForCausalLM":  # its class reads this over the RoPE dict's (default 4096)
             d["original_max_position_embeddings"] = (self.rope_scaling or {}).get(
@@ -972,12 +1057,23 @@ class ModelConfig:
                 swiglu_limit=self.swiglu_limit,
                 swiglu_alpha=self.swiglu_alpha,
             )
-        if self.num_experts:
+        if self.architecture == GLM4_MOE:  # no MTP layers: areno neither trains nor saves them
             d.update(
-                num_experts_per_tok=self.num_experts_per_tok,
-                router_aux_loss_coef=self.router_aux_loss_coef,
-                output_router_logits=self.output_router_logits,
+                use_qk_norm=self.qk_norm,
+                n_routed_experts=self.num_experts,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                n_group=self.n_group,
+                topk_group=self.topk_group,
+                routed_scaling_factor=self.routed_scaling_factor,
+                n_shared_experts=self.n_shared_experts,
+                first_k_dense_replace=self.first_k_dense_replace,
+                num_nextn_predict_layers=0,
             )
+        if self.num_experts:
+            d.update(num_experts_per_tok=self.num_experts_per_tok, output_router_logits=self.output_router_logits)
+            if self.architecture != GLM4_MOE:  # its class has no balance loss to weigh
+                d["router_aux_loss_coef"] = self.router_aux_loss_coef
         if self.vision is not None:
             return _nest_vl(d, self)
         return d
@@ -1076,6 +1172,20 @@ def _read_moe(arch: str, d: dict[str, Any]) -> dict[str, Any]:
             swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
             **common,
         )
+    if arch == GLM4_MOE:
+        return dict(
+            num_experts=d["n_routed_experts"],
+            moe_intermediate_size=d["moe_intermediate_size"],
+            norm_topk_prob=bool(d["norm_topk_prob"]),
+            router_scoring="sigmoid",
+            n_group=d["n_group"],
+            topk_group=d["topk_group"],
+            routed_scaling_factor=float(d["routed_scaling_factor"]),
+            n_shared_experts=d["n_shared_experts"],
+            first_k_dense_replace=d["first_k_dense_replace"],
+            num_experts_per_tok=d["num_experts_per_tok"],
+            output_router_logits=bool(d.get("output_router_logits", False)),  # refused when true
+        )
     if arch == "MixtralForCausalLM":
         if d.get("router_jitter_noise"):
             raise ValueError(
@@ -1169,6 +1279,12 @@ HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "granite": {**_COMMON, "max_position_embeddings": 2048, "attention_bias": False, "mlp_bias": False,
                 "bos_token_id": 1, "eos_token_id": 2, "embedding_multiplier": 1.0, "attention_multiplier": 1.0,
                 "residual_multiplier": 1.0, "logits_scaling": 1.0, "rope_theta": 1e4},
+    "glm4_moe": {**_COMMON, "rms_norm_eps": 1e-5, "vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944,
+                 "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8,
+                 "max_position_embeddings": 131072, "attention_bias": False, "use_qk_norm": False,
+                 "moe_intermediate_size": 1408, "num_experts_per_tok": 8, "n_shared_experts": 1, "n_routed_experts": 128,
+                 "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+                 "norm_topk_prob": True, "rope_theta": 1e4},
     "smollm3": {**_COMMON, "tie_word_embeddings": True, "max_position_embeddings": 32768, "attention_bias": False,
                 "mlp_bias": False, "use_sliding_window": False, "sliding_window": None, "no_rope_layer_interval": 4,
                 "rope_theta": 2e6},
@@ -1216,7 +1332,7 @@ def _sliding_window(arch: str, d: dict[str, Any]) -> tuple[int | None, tuple[int
         window = d.get("sliding_window")
         if arch != "MistralForCausalLM" or types is None:  # transformers reads layer_types for Mistral only
             return window, None
-    elif arch in ("LlamaForCausalLM", "Olmo2ForCausalLM", GLM4, GRANITE):
+    elif arch in ("LlamaForCausalLM", "Olmo2ForCausalLM", GLM4, GRANITE, GLM4_MOE):
         return None, None  # transformers gives them no window (and ignores the keys)
     elif arch in (GPT_OSS, GEMMA2):
         window = d.get("sliding_window")

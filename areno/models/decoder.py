@@ -510,7 +510,7 @@ class DecoderModel(nn.Module):
 
 class Decoder(nn.Module):
     """Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral / OLMo 2 / OLMo 3 / Gemma 3 / Phi-3 / SmolLM3 / gpt-oss /
-    GLM-4 / Ernie 4.5 / EXAONE 4 / Gemma 2 / Granite 3 decoder over packed
+    GLM-4 / Ernie 4.5 / EXAONE 4 / Gemma 2 / Granite 3 / GLM-4.5 decoder over packed
     1-D token streams.
 
     Tensor parallelism without torch.distributed in the model: with ``tp_size > 1`` this module
@@ -574,6 +574,11 @@ class Decoder(nn.Module):
         pad = self.config.pad_token_id
         if pad is not None and 0 <= pad < self.config.vocab_size:
             self.model.embed_tokens.weight[pad].zero_()
+
+    def float32_modules(self) -> list[nn.Module]:
+        """Modules whose parameters stay float32 under mixed precision (FSDP2 gives each a float32 group of its
+        own): GLM-4.5's routers (``moe.float32_routers``), as transformers keeps them."""
+        return moe.float32_routers(self)
 
     @property
     def output_weight(self) -> torch.Tensor:

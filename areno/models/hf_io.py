@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import logging
 import os
 import typing
 from collections.abc import Iterator
@@ -26,13 +27,38 @@ from torch.overrides import TorchFunctionMode
 
 from areno.errors import ConfigError, ModelDirError, is_of_type, wrong_type
 from areno.models import gpt_oss, moe, packed_projections, vl_text
-from areno.models.config import GPT_OSS, SEQUENCE_CLASSIFIER_SUFFIX, SUPPORTED_ARCHITECTURES, ModelConfig
+from areno.models.config import GLM4_MOE, GPT_OSS, SEQUENCE_CLASSIFIER_SUFFIX, SUPPORTED_ARCHITECTURES, ModelConfig
 from areno.models.decoder import Decoder
 from areno.models.tp_plan import TPReduce, shard_dim, tp_plan, tp_style
 from areno.models.vision import VisionConfig, VisionLanguageModel, processor_config, read_pixel_limits
 
+log = logging.getLogger(__name__)
+
 # Non-parameter tensors that some HF checkpoints carry and we recompute.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def beyond_layers(config: ModelConfig, name: str) -> bool:
+    """Whether ``name`` is a tensor of a layer at or past ``num_hidden_layers`` that transformers' class skips on
+    load: GLM-4.5's multi-token-prediction layers (``num_nextn_predict_layers``: ``model.layers.46.*`` of
+    GLM-4.5-Air, ``model.layers.92.*`` of GLM-4.5 and GLM-4.6), which areno neither trains nor saves."""
+    if config.architecture != GLM4_MOE or not name.startswith("model.layers."):
+        return False
+    return int(name.split(".", 3)[2]) >= config.num_hidden_layers
+
+
+def log_skipped_layers(config: ModelConfig, names: list[str], where: str | Path) -> None:
+    """One log line for the ``beyond_layers`` tensors a read of ``where`` left out."""
+    if names:
+        log.info(
+            "%s: skipped %d tensors of layers >= num_hidden_layers=%d (the multi-token-prediction layers of %s, "
+            "which areno neither trains nor saves)",
+            where,
+            len(names),
+            config.num_hidden_layers,
+            config.architecture,
+        )
+
 
 _TINY_ARCHS = {
     "llama": "LlamaForCausalLM",
@@ -53,6 +79,7 @@ _TINY_ARCHS = {
     "granite": "GraniteForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 _TINY_NORM_LAYOUTS = {
     "olmo2": "post",
@@ -267,6 +294,7 @@ def load_model(
     with _MetaShortcuts():
         with torch.device("meta"):
             model = build_model(config, tp_size=tp_size, tp_reduce=tp_reduce).to(dtype)
+            moe.keep_routers_float32(model)  # GLM-4.5's, as transformers keeps them
         model.to_empty(device=device)
     expected = model.state_dict()
     plan = tp_plan(config)
@@ -280,11 +308,15 @@ def load_model(
             expected["lm_head.weight"].zero_()
         seen.add("lm_head.weight")
     oss = gpt_oss.HeldTensors() if config.architecture == GPT_OSS else None
+    skipped: list[str] = []
     for path in safetensors_files(model_dir):
         with open_safetensors(path) as f:
             for disk_name in f.keys():
                 name = disk_name if config.container is None else vl_text.text_name(config.container, disk_name)
                 if name is None or name.endswith(_IGNORED_SUFFIXES) or (classifier and name in SCORE_HEAD_KEYS):
+                    continue
+                if beyond_layers(config, name):
+                    skipped.append(name)
                     continue
                 if oss is not None and gpt_oss.is_disk_name(name):  # renamed, laid out as held, dequantized
                     for held, tensor in oss.held(name, f.get_tensor(disk_name)):
@@ -333,6 +365,7 @@ def load_model(
                 with torch.no_grad():
                     target.copy_(tensor)
                 seen.add(name)
+    log_skipped_layers(config, skipped, model_dir)
     if oss is not None and oss.unpaired():
         raise ModelDirError(f"{model_dir}: MXFP4 tensor {oss.unpaired()[0]!r} is stored without its other half")
     if stored_head is not None:
@@ -539,6 +572,7 @@ def init_model_dir(
             model = build_model(config)
     if dtype is not None:
         model.to(dtype)
+        moe.keep_routers_float32(model)  # GLM-4.5's in float32 (their random draws rounded once: no matter)
     return save_model(model, config, out_dir, tokenizer=tokenizer)
 
 
@@ -588,8 +622,11 @@ def tiny_config(
     ministral3 (queries scaled by position every 8 positions), granite (Llama's layers with Granite's
     multipliers as its released models set them: embeddings times 12, scores scaled by 1 / head_dim, block outputs
     times 0.22, logits divided by 8), smollm3 (no RoPE in layers 3, 7, ...), qwen3_moe,
-    mixtral (4 experts, top-2, each half the dense MLP's width) or gpt_oss (those experts with biases and the
-    clamped SwiGLU, attention biases and sinks, a 16-token window in every other layer from the first). ``kw`` overrides any other ModelConfig field
+    mixtral (4 experts, top-2, each half the dense MLP's width), gpt_oss (those experts with biases and the
+    clamped SwiGLU, attention biases and sinks, a 16-token window in every other layer from the first) or glm4_moe
+    (GLM-4.5: a dense first layer, then 8 experts in 4 groups, top-2 from the best 2 groups by a sigmoid router
+    scaled by 2.5, a shared expert, q/k/v biases and per-head q/k norms, half of each head turned by rotate-half
+    RoPE). ``kw`` overrides any other ModelConfig field
     (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``). Token ids default to the char
     tokenizer's (pad 0, bos 1, eos 2).
     """
@@ -599,7 +636,7 @@ def tiny_config(
     if arch not in _TINY_ARCHS:
         raise ValueError(f"tiny_config arch must be one of {sorted(_TINY_ARCHS)}, got {arch!r}")
     architecture = _TINY_ARCHS[arch]
-    qkv_bias = arch in ("qwen2", "gpt_oss", "glm4")
+    qkv_bias = arch in ("qwen2", "gpt_oss", "glm4", "glm4_moe")
     fields: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -611,7 +648,7 @@ def tiny_config(
         max_position_embeddings=2048,
         attention_bias=qkv_bias,
         attention_out_bias=arch == "gpt_oss",
-        qk_norm=arch in ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3", "exaone4"),
+        qk_norm=arch in ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3", "exaone4", "glm4_moe"),
         qk_norm_scope="projection" if arch in ("olmo2", "olmo3") else "head",
         norm_layout=_TINY_NORM_LAYOUTS.get(arch, "pre"),
         architecture=architecture,
@@ -653,6 +690,10 @@ def tiny_config(
         # transformers 5 gives every gpt-oss YaRN; over 64 original positions, short sequences pass them
         yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
         fields["rope_scaling"] = {**yarn, "original_max_position_embeddings": 64}
+    if arch == "glm4_moe":  # every routing rule at work: groups, the scale, a shared expert, a dense first layer
+        fields.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2)
+        fields.update(norm_topk_prob=True, router_scoring="sigmoid", n_group=4, topk_group=2)
+        fields.update(routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1, partial_rotary_factor=0.5)
     fields.update(kw)
     if arch == "exaone4" and "nope_layers" not in kw:  # where a window is set, the layers without one turn by none
         window, window_layers = fields.get("sliding_window"), fields.get("window_layers")

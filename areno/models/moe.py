@@ -1,4 +1,4 @@
-"""The sparse mixture-of-experts block of the Qwen3-MoE, Mixtral and gpt-oss layouts, plain PyTorch.
+"""The sparse mixture-of-experts block of the Qwen3-MoE, Mixtral, gpt-oss and GLM-4.5 layouts, plain PyTorch.
 
 Module and parameter names equal transformers 5's in-memory ones (``mlp.gate.weight`` [E, D],
 ``mlp.experts.gate_up_proj`` [E, 2I, D], ``mlp.experts.down_proj`` [E, D, I]), for every layout;
@@ -7,7 +7,9 @@ Module and parameter names equal transformers 5's in-memory ones (``mlp.gate.wei
 experts, a clamped SwiGLU: ``ExpertGLU``).
 
 Routing as transformers does it: softmax over the router logits in fp32, top-k, optionally
-renormalised (``norm_topk_prob``; Mixtral always), cast to the activations' dtype. The experts run
+renormalised (``norm_topk_prob``; Mixtral always), cast to the activations' dtype. GLM-4.5's router
+(``SigmoidRouter``) scores by a sigmoid and chooses within groups by a bias; its shared experts
+(``SharedExperts``, ``mlp.shared_experts``) add to the routed output. The experts run
 grouped (``grouped_experts``): the T·k (token, expert) pairs sorted by expert, then one GEMM per
 expert over its contiguous rows, and one scatter-add back, instead of a pass over every token per expert.
 
@@ -76,6 +78,99 @@ class TopKRouter(nn.Module):
         if self.norm_topk_prob:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
         return weights_TK.to(dtype), experts_TK
+
+
+class SigmoidRouter(nn.Module):
+    """GLM-4.5's router (transformers' ``Glm4MoeTopkRouter``, DeepSeek-V3's rule): ``weight`` [E, D] and the
+    buffer ``e_score_correction_bias`` [E] (set by the release's load balancing between steps, never by a
+    gradient), both kept in float32 as transformers keeps them (``_keep_in_fp32_modules_strict``;
+    ``float32_routers``), its logits computed in float32 whatever the model's dtype or autocast.
+
+    Scores are the logits' sigmoid. The choice adds the bias to them, scores each of ``n_group`` groups by the
+    sum of its two best, keeps the ``topk_group`` best groups and takes the top-k experts there; the weights
+    are the chosen experts' *unbiased* scores, renormalised (``norm_topk_prob``, + 1e-20) and times
+    ``routed_scaling_factor``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.scale = config.routed_scaling_factor
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(router logits [T, E] in float32, top-k weights [T, K] in x's dtype, top-k expert ids [T, K])."""
+        with torch.autocast(x_TD.device.type, enabled=False):  # autocast would run the product in bf16
+            logits_TE = F.linear(x_TD.float(), self.weight.float())
+        scores_TE = logits_TE.sigmoid()
+        choice_TE = scores_TE + self.e_score_correction_bias.float()
+        T, E = choice_TE.shape
+        if self.topk_group < self.n_group:  # only the best groups' experts may be chosen
+            choice_TGe = choice_TE.view(T, self.n_group, E // self.n_group)
+            group_TG = choice_TGe.topk(2, dim=-1).values.sum(-1)
+            best_TG = torch.zeros_like(group_TG).scatter_(1, group_TG.topk(self.topk_group, dim=-1).indices, 1.0)
+            choice_TE = choice_TGe.masked_fill(best_TG[..., None] == 0, float("-inf")).view(T, E)
+        experts_TK = torch.topk(choice_TE, self.top_k, dim=-1).indices
+        return logits_TE, self._weights(scores_TE, experts_TK).to(x_TD.dtype), experts_TK
+
+    def _weights(self, scores_TE: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
+        """The unbiased scores of ``experts_TK``, renormalised where ``norm_topk_prob``, times the scale (float32)."""
+        weights_TK = scores_TE.gather(-1, experts_TK)
+        if self.norm_topk_prob:
+            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights_TK * self.scale
+
+    def replayed(
+        self, logits_TE: torch.Tensor, experts_TK: torch.Tensor, replay_TK: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``TopKRouter.replayed`` for this router: the replayed ids' weights from its own sigmoid scores,
+        renormalised and scaled as ``forward`` does, so gradients still reach ``weight``."""
+        replay_TK = replay_TK.to(experts_TK.device, torch.long)
+        experts_TK = torch.where((replay_TK >= 0).all(-1, keepdim=True), replay_TK, experts_TK)
+        return self._weights(logits_TE.sigmoid(), experts_TK).to(dtype), experts_TK
+
+
+class SharedExperts(nn.Module):
+    """The experts every token passes (GLM-4.5's ``mlp.shared_experts``, transformers' ``Glm4MoeMLP`` of width
+    ``moe_intermediate_size * n_shared_experts``): one ungated SwiGLU MLP whose output adds to the routed ones."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, i = config.hidden_size, config.moe_intermediate_size * config.n_shared_experts
+        self.gate_proj = nn.Linear(d, i, bias=False)
+        self.up_proj = nn.Linear(d, i, bias=False)
+        self.down_proj = nn.Linear(i, d, bias=False)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
+
+
+def float32_routers(model: nn.Module) -> list[nn.Module]:
+    """The routers of ``model`` whose tensors stay float32 in a 16-bit model (``SigmoidRouter``): FSDP2 gives
+    them a float32 group of their own (``Decoder.float32_modules``)."""
+    return [m for m in model.modules() if isinstance(m, SigmoidRouter)]
+
+
+def keep_routers_float32(model: nn.Module) -> None:
+    """Back to float32 the ``float32_routers`` a cast of the whole model took along (before their values
+    are loaded: a cast and back would round them)."""
+    for router in float32_routers(model):
+        router.float()
+
+
+def float32_names(config: ModelConfig) -> set[str]:
+    """The state-dict names of the tensors a model of ``config`` keeps in float32 (``float32_routers``'),
+    which a save in another dtype leaves in float32."""
+    if config.router_scoring != "sigmoid":
+        return set()
+    return {
+        f"model.layers.{i}.mlp.gate.{leaf}"
+        for i in range(config.num_hidden_layers)
+        if config.is_moe_layer(i)
+        for leaf in ("weight", "e_score_correction_bias")
+    }
 
 
 class ExpertGLU:
@@ -283,7 +378,8 @@ class RouteCapture:
 
 
 class SparseMoE(nn.Module):
-    """The block in place of the dense MLP: ``gate`` (the router) and ``experts``."""
+    """The block in place of the dense MLP: ``gate`` (the router), ``experts`` and, where the layout has them,
+    ``shared_experts`` (GLM-4.5)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -291,8 +387,9 @@ class SparseMoE(nn.Module):
         self.num_experts = config.num_experts
         self.keep_router_logits = config.output_router_logits
         self.aux_loss_coef = config.router_aux_loss_coef
-        self.gate = TopKRouter(config)
+        self.gate = SigmoidRouter(config) if config.router_scoring == "sigmoid" else TopKRouter(config)
         self.experts = Experts(config)
+        self.shared_experts = SharedExperts(config) if config.n_shared_experts else None
         self.router_logits_TE: torch.Tensor | None = None
         """Router logits of the last training forward (kept when ``output_router_logits``)."""
         self.record: RoutingRecord | RouteCapture | None = None
@@ -306,26 +403,32 @@ class SparseMoE(nn.Module):
     def reset_parameters(self, std: float) -> None:
         for p in (self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj):
             p.normal_(0.0, std)
-        if self.gate.bias is not None:  # transformers' init of GptOssTopKRouter.bias
+        if isinstance(self.gate, SigmoidRouter):  # transformers' init: no correction before balancing
+            self.gate.e_score_correction_bias.zero_()
+        elif self.gate.bias is not None:  # transformers' init of GptOssTopKRouter.bias
             self.gate.bias.normal_(0.0, std)
         for b in self.experts.biases or ():
             b.zero_()
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         logits_TE, weights_TK, experts_TK = self.gate(x_TD)
+        # in the block's dtype: a float32 router's input may be float32 (FSDP2's float32 group casts it)
+        weights_TK = weights_TK.to(x_TD.dtype)
         if self.keep_router_logits and self.training and torch.is_grad_enabled():
             self.router_logits_TE = logits_TE
         if self.replay_TK is not None:
             own_TK = experts_TK
-            weights_TK, experts_TK = self.gate.replayed(logits_TE, experts_TK, self.replay_TK, weights_TK.dtype)
+            weights_TK, experts_TK = self.gate.replayed(logits_TE, experts_TK, self.replay_TK, x_TD.dtype)
             if self.record is not None:  # the router's own choice, and the experts the tokens went to
                 self.record.add(self.layer_idx, own_TK, used_TK=experts_TK)
         elif self.record is not None:
             self.record.add(self.layer_idx, experts_TK)
         if self.dispatch is not None:
             # expert parallelism refuses biased or clamped experts (``areno.train.expert_parallel``)
-            return self.dispatch(x_TD, experts_TK, weights_TK, self.experts.gate_up_proj, self.experts.down_proj)
-        return self.experts(x_TD, experts_TK, weights_TK)
+            out_TD = self.dispatch(x_TD, experts_TK, weights_TK, self.experts.gate_up_proj, self.experts.down_proj)
+        else:
+            out_TD = self.experts(x_TD, experts_TK, weights_TK)
+        return out_TD if self.shared_experts is None else out_TD + self.shared_experts(x_TD)
 
 
 def sparse_blocks(model: nn.Module) -> list[SparseMoE]:

@@ -21,7 +21,7 @@ import torch
 
 from areno.models import gpt_oss, moe, packed_projections, vl_text
 from areno.models.config import GPT_OSS
-from areno.models.hf_io import open_safetensors, safetensors_files
+from areno.models.hf_io import beyond_layers, log_skipped_layers, open_safetensors, safetensors_files
 from areno.rollout.control import EngineControl
 from areno.rollout.errors import WeightUpdateError
 from areno.rollout.kv_cache import BlockAllocator
@@ -88,6 +88,10 @@ class EngineWeights:
         fix = f"this engine keeps serving version {self.control.version}; re-export the checkpoint"
         tied = getattr(self.model_config, "tie_word_embeddings", False)
         items = read_checkpoint(path, tied=tied, fix=fix)
+        skipped = [name for name, _ in items if beyond_layers(self.model_config, name)]  # GLM-4.5's MTP layers
+        if skipped:
+            log_skipped_layers(self.model_config, skipped, path)
+            items = [(name, t) for name, t in items if not beyond_layers(self.model_config, name)]
         container = getattr(self.model_config, "container", None)
         if container is not None:  # a vision-language checkpoint's text model
             items = [(name, t) for disk, t in items if (name := vl_text.text_name(container, disk)) is not None]

@@ -192,8 +192,8 @@ class ScalarHeadModel(nn.Module):
 
     def float32_modules(self) -> list[nn.Module]:
         """Modules whose parameters stay float32 under mixed precision (FSDP2 gives them a group of
-        their own): a value or score is read to more than bf16's 8 bits."""
-        return [self.score]
+        their own): a value or score is read to more than bf16's 8 bits; the decoder's own (GLM-4.5's routers)."""
+        return [self.score, *self.decoder.float32_modules()]
 
     def forward(self, input_ids_T, position_ids_T, attn=None, **kwargs) -> torch.Tensor:
         """The decoder's hidden states; ``kwargs`` (a vision-language batch's ``images``) go to it."""

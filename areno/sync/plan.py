@@ -15,7 +15,7 @@ each rollout rank keeps. No torch.distributed here; everything is unit-tested on
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
@@ -119,12 +119,14 @@ def plan_buckets(
     *,
     cuts: Mapping[str, Sequence[int]] | None = None,
     direct_bytes: int | None = None,
+    float32_names: Collection[str] = (),
 ) -> SyncPlan:
     """Assign tensors to rows (``assign_rows``) and pack each row's share into bounded buckets.
 
     ``cuts``: per tensor name, dim-0 indices where a chunk must end (the receivers' dim-0 shard
     boundaries), so no chunk straddles two receivers' slices and each receiver can take a chunk
-    it keeps straight into its staging tensor. ``direct_bytes``: a chunk of at least this many
+    it keeps straight into its staging tensor. ``float32_names``: tensors that travel in their own dtype
+    whatever ``wire_dtype`` (GLM-4.5's float32 routers, ``moe.float32_names``). ``direct_bytes``: a chunk of at least this many
     bytes gets a bucket of its own (sent from the trained tensor and received in place, no
     packing); smaller ones are packed together. None: chunks are packed as they come.
     """
@@ -134,7 +136,7 @@ def plan_buckets(
     if len(set(names)) != len(names):
         raise ValueError("weight source yields duplicate tensor names")
     cuts = cuts or {}
-    metas = [(n, tuple(s) or (1,), wire_dtype_for(d, wire_dtype)) for n, s, d in meta]
+    metas = [(n, tuple(s) or (1,), wire_dtype_for(d, None if n in float32_names else wire_dtype)) for n, s, d in meta]
     owner = assign_rows([(n, _nbytes(s, d)) for n, s, d in metas], num_rows)
 
     # Per row: closed buckets in the order they complete, and the bucket being packed.

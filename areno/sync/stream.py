@@ -101,6 +101,9 @@ class StreamSyncConfig:
     """Seconds to wait for every rank while the transport's process groups are created."""
     wire_dtype: torch.dtype | None = None
     """Cast floating tensors to this dtype before sending (e.g. bf16 when rollout runs bf16)."""
+    float32_names: frozenset[str] = frozenset()
+    """Tensors sent in their own dtype whatever ``wire_dtype``: those the model keeps in float32 in a bf16
+    engine (GLM-4.5's routers, ``moe.float32_names``), which a bf16 wire would round."""
     direct_bytes: int | None = None
     """A chunk of at least this many bytes travels as its own message: sent from the trained
     tensor without packing and, where a receiver keeps it whole, received straight into its
@@ -282,6 +285,7 @@ def exchange_plan(
         config.wire_dtype,
         cuts={n: sorted(c) for n, c in cuts.items()},
         direct_bytes=config.direct_bytes if config.direct_bytes is not None else config.bucket_bytes // 4,
+        float32_names=config.float32_names,
     )
     fanout = tuple(
         (config.fanout_all or bool(_keepers(b, kept_by) - {groups.relays[b.row]})) and groups.rollout_group is not None

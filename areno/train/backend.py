@@ -791,7 +791,8 @@ class PackedTrainBackend(TrainBackend):
                 expected = build_model(self.model_config).state_dict()
             check_full_state(state, expected, role=self.cfg.role_name)
             dtype = next(iter(state.values())).dtype  # one dtype, as the model it was loaded into held
-            state = {k: t.to(dtype) if t.is_floating_point() else t for k, t in state.items()}
+            keep = moe.float32_names(self.model_config)  # but GLM-4.5's routers, float32 as transformers keeps them
+            state = {k: t.to(dtype) if t.is_floating_point() and k not in keep else t for k, t in state.items()}
             out = save_state(state, self.model_config, path)
             for name in _TOKENIZER_FILES:
                 if (self._model_dir / name).is_file():

@@ -119,12 +119,17 @@ def test_train_dp_replicate_reaches_the_layout_and_is_refused_where_it_cannot_ru
 def test_the_policy_sync_takes_its_timeout_and_bucket_size_from_the_cluster_section():
     from areno.api.config import load_config
     from areno.engine.partitioned import _sync_config
+    from areno.models import tiny_config
 
     base = ["model.path=/m", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]", "cluster.device=cpu"]
-    default = _sync_config(load_config(None, base))
-    assert (default.timeout_s, default.bucket_bytes) == (600.0, 64 << 20)
+    model = tiny_config(61)
+    default = _sync_config(load_config(None, base), model)
+    assert (default.timeout_s, default.bucket_bytes, default.float32_names) == (600.0, 64 << 20, frozenset())
     cfg = load_config(None, [*base, "cluster.sync_timeout_s=42", "cluster.sync_bucket_bytes=8388608"])
-    assert (_sync_config(cfg).timeout_s, _sync_config(cfg).bucket_bytes) == (42.0, 8 << 20)
+    assert (_sync_config(cfg, model).timeout_s, _sync_config(cfg, model).bucket_bytes) == (42.0, 8 << 20)
+    # GLM-4.5's routers keep float32 on a bf16 wire
+    glm = _sync_config(cfg, tiny_config(61, arch="glm4_moe"))
+    assert glm.float32_names == {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"}
 
 
 def _group_timeouts(rank: int, world: int, layout: ClusterLayout, out: str) -> None:

@@ -50,6 +50,8 @@ def test_plan_wire_dtype_and_errors():
     dtypes = {i.name: i.dtype for b in plan.buckets for i in b.items}
     assert dtypes == {"w": torch.bfloat16, "ids": torch.int64}
     assert plan.total_bytes == 4 * 8 * 2 + 4 * 8
+    kept = plan_buckets(meta, 1, 4096, wire_dtype=torch.bfloat16, float32_names={"w"})  # a float32 router
+    assert {i.name: i.dtype for b in kept.buckets for i in b.items} == {"w": torch.float32, "ids": torch.int64}
     with pytest.raises(ValueError, match="smaller than one row"):
         plan_buckets([("w", (2, 1024), torch.float32)], 1, 1024)
     with pytest.raises(ValueError, match="duplicate"):
