@@ -143,7 +143,8 @@ def test_cuda_flex_softcap_matches_explicit_attention(window):
         return out.float(), q.grad.float(), k.grad.float(), v.grad.float()
 
     for got, exp in zip(run("auto"), run("sdpa")):
-        torch.testing.assert_close(got, exp, atol=3e-2, rtol=3e-2)
+        # bf16 inputs and gradients: within bf16 rounding of each tensor's scale (elementwise rtol failed once in 114)
+        torch.testing.assert_close(got, exp, atol=2e-2 * exp.abs().max().item(), rtol=0)
     with pytest.raises(ValueError, match="soft-capped scores .Gemma 2. runs as flex on CUDA"):
         attn = PackedCausalAttention(cu_B1, sliding_window=window, softcap=5.0)
         attn.prepare(512, q.device, 64, q.dtype, cuda_impl="varlen")
