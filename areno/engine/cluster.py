@@ -404,6 +404,8 @@ def _param_count(model_config: Any) -> int:
         (k + 1) % model_config.decoder_sparse_step == 0 and k not in model_config.mlp_only_layers for k in range(L)
     )
     expert_mlp = experts * 3 * h * model_config.moe_intermediate_size + h * experts
+    shared = getattr(model_config, "shared_expert_intermediate_size", 0)  # Qwen2-MoE's, and its gate
+    expert_mlp += 3 * h * shared + h if shared else 0
     return L * (attn + 2 * h) + sparse * expert_mlp + (L - sparse) * 3 * h * i + embed + h
 
 

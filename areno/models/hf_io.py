@@ -53,6 +53,7 @@ _TINY_ARCHS = {
     "granite": "GraniteForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 _TINY_NORM_LAYOUTS = {
     "olmo2": "post",
@@ -588,8 +589,10 @@ def tiny_config(
     ministral3 (queries scaled by position every 8 positions), granite (Llama's layers with Granite's
     multipliers as its released models set them: embeddings times 12, scores scaled by 1 / head_dim, block outputs
     times 0.22, logits divided by 8), smollm3 (no RoPE in layers 3, 7, ...), qwen3_moe,
-    mixtral (4 experts, top-2, each half the dense MLP's width) or gpt_oss (those experts with biases and the
-    clamped SwiGLU, attention biases and sinks, a 16-token window in every other layer from the first). ``kw`` overrides any other ModelConfig field
+    mixtral (4 experts, top-2, each half the dense MLP's width), gpt_oss (those experts with biases and the
+    clamped SwiGLU, attention biases and sinks, a 16-token window in every other layer from the first) or
+    qwen2_moe (qwen3_moe's experts without q/k norms, with q/k/v biases and a gated shared expert of the
+    hidden size's width). ``kw`` overrides any other ModelConfig field
     (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``). Token ids default to the char
     tokenizer's (pad 0, bos 1, eos 2).
     """
@@ -599,7 +602,7 @@ def tiny_config(
     if arch not in _TINY_ARCHS:
         raise ValueError(f"tiny_config arch must be one of {sorted(_TINY_ARCHS)}, got {arch!r}")
     architecture = _TINY_ARCHS[arch]
-    qkv_bias = arch in ("qwen2", "gpt_oss", "glm4")
+    qkv_bias = arch in ("qwen2", "gpt_oss", "glm4", "qwen2_moe")
     fields: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -643,7 +646,7 @@ def tiny_config(
         fields.update(attention_bias=True, attention_out_bias=True, mlp_bias=True)
     if arch == "smollm3":
         fields["nope_layers"] = tuple(i for i in range(layers) if (i + 1) % 4 == 0)
-    if arch in ("qwen3_moe", "mixtral", "gpt_oss"):
+    if arch in ("qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe"):
         fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size)
         fields["norm_topk_prob"] = arch in ("mixtral", "gpt_oss")
     if arch == "gpt_oss":
@@ -653,6 +656,8 @@ def tiny_config(
         # transformers 5 gives every gpt-oss YaRN; over 64 original positions, short sequences pass them
         yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
         fields["rope_scaling"] = {**yarn, "original_max_position_embeddings": 64}
+    if arch == "qwen2_moe":
+        fields["shared_expert_intermediate_size"] = hidden_size
     fields.update(kw)
     if arch == "exaone4" and "nope_layers" not in kw:  # where a window is set, the layers without one turn by none
         window, window_layers = fields.get("sliding_window"), fields.get("window_layers")

@@ -1,10 +1,12 @@
-"""The sparse mixture-of-experts block of the Qwen3-MoE, Mixtral and gpt-oss layouts, plain PyTorch.
+"""The sparse mixture-of-experts block of the Qwen3-MoE, Mixtral, gpt-oss and Qwen2-MoE layouts, plain PyTorch.
 
 Module and parameter names equal transformers 5's in-memory ones (``mlp.gate.weight`` [E, D],
 ``mlp.experts.gate_up_proj`` [E, 2I, D], ``mlp.experts.down_proj`` [E, D, I]), for every layout;
 ``hf_io`` maps them to and from the per-expert names checkpoints store on disk (``expert_names``), and
 ``gpt_oss`` to gpt-oss's fused, interleaved ones (its router ``mlp.router``; biases on the router and the
-experts, a clamped SwiGLU: ``ExpertGLU``).
+experts, a clamped SwiGLU: ``ExpertGLU``). Qwen2-MoE adds a shared expert every token goes through
+(``mlp.shared_expert``, a dense SwiGLU MLP the decoder builds and hands in) scaled by
+``sigmoid(mlp.shared_expert_gate(x))`` ([1, D], no bias), added to the routed experts' sum.
 
 Routing as transformers does it: softmax over the router logits in fp32, top-k, optionally
 renormalised (``norm_topk_prob``; Mixtral always), cast to the activations' dtype. The experts run
@@ -283,9 +285,11 @@ class RouteCapture:
 
 
 class SparseMoE(nn.Module):
-    """The block in place of the dense MLP: ``gate`` (the router) and ``experts``."""
+    """The block in place of the dense MLP: ``gate`` (the router) and ``experts``; with ``shared_expert`` (a
+    dense MLP module of x [T, D] -> [T, D]: Qwen2-MoE's) also that expert on every token, times
+    ``sigmoid(shared_expert_gate(x))``, added to the routed sum as transformers' ``Qwen2MoeSparseMoeBlock`` adds it."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, *, shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_experts = config.num_experts
@@ -293,6 +297,10 @@ class SparseMoE(nn.Module):
         self.aux_loss_coef = config.router_aux_loss_coef
         self.gate = TopKRouter(config)
         self.experts = Experts(config)
+        self.shared_expert = shared_expert
+        """Qwen2-MoE's shared expert (a dense SwiGLU MLP of ``shared_expert_intermediate_size``), or None."""
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared_expert is not None else None
+        """The shared expert's scalar gate per token, through a sigmoid (no bias, as transformers builds it)."""
         self.router_logits_TE: torch.Tensor | None = None
         """Router logits of the last training forward (kept when ``output_router_logits``)."""
         self.record: RoutingRecord | RouteCapture | None = None
@@ -324,8 +332,12 @@ class SparseMoE(nn.Module):
             self.record.add(self.layer_idx, experts_TK)
         if self.dispatch is not None:
             # expert parallelism refuses biased or clamped experts (``areno.train.expert_parallel``)
-            return self.dispatch(x_TD, experts_TK, weights_TK, self.experts.gate_up_proj, self.experts.down_proj)
-        return self.experts(x_TD, experts_TK, weights_TK)
+            out_TD = self.dispatch(x_TD, experts_TK, weights_TK, self.experts.gate_up_proj, self.experts.down_proj)
+        else:
+            out_TD = self.experts(x_TD, experts_TK, weights_TK)
+        if self.shared_expert is not None:  # in the model dtype, as transformers gates and adds it
+            out_TD = out_TD + torch.sigmoid(self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
+        return out_TD
 
 
 def sparse_blocks(model: nn.Module) -> list[SparseMoE]:
