@@ -18,7 +18,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
-from areno.models import Decoder, ModelConfig, check_tp_size, load_model, moe, tiny_config
+from areno.models import Decoder, ModelConfig, check_tp_size, load_model, moe, save_model, tiny_config
 from areno.models.logprobs import packed_logprobs
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.types import SamplingParams
@@ -137,6 +137,37 @@ def test_the_rollout_engine_decodes_as_a_recompute_with_and_without_fused_projec
     model.unfuse_projections()
     assert shared.gate_up is None
     assert_engine_decodes_as_recompute(model, config, fused_projections=False)
+
+
+def test_the_rollout_engine_reloads_a_checkpoint_from_disk(tmp_path):
+    saved_by_transformers(Qwen2MoeConfig, tmp_path / "hf", **SHAPE)
+    model, config = load_model(tmp_path / "hf")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    save_model(model, config, tmp_path / "b")
+    engine_model, _ = load_model(tmp_path / "hf")
+    engine = RolloutEngine(engine_model, config, config=RolloutEngineConfig(block_size=4, num_blocks=32))
+    engine.update_weights_from_disk(str(tmp_path / "b"), version=1)  # per-expert names, the shared expert's own
+    got = engine.weight_tensors()
+    for name, t in model.state_dict().items():
+        assert torch.equal(got[name], t), name
+
+
+def test_lora_adapts_linear_layers_the_shared_expert_among_them():
+    """Attention adapters as on any expert model; MLP names adapt the linear layers that have them (the dense
+    layer's MLP and the shared experts, which a merge carries), never the routed experts' fused tensors."""
+    from areno.train.config import LoraConfig
+    from areno.train.lora import apply_lora, lora_layers
+
+    config = tiny_config(VOCAB, arch="qwen2_moe", hidden_size=32, layers=2, mlp_only_layers=(1,))
+    model = apply_lora(Decoder(config), LoraConfig(rank=4, target_modules=("q_proj", "v_proj")))
+    assert sorted(lora_layers(model)) == [
+        f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_proj", "v_proj")
+    ]
+    model = apply_lora(Decoder(config), LoraConfig(rank=4, target_modules=("gate_proj",)))
+    assert sorted(lora_layers(model)) == ["model.layers.0.mlp.shared_expert.gate_proj", "model.layers.1.mlp.gate_proj"]
+    assert not model.model.layers[0].mlp.experts.gate_up_proj.requires_grad
 
 
 def test_engine_routes_equal_the_trainer_models_and_replay_keeps_the_shared_expert():
