@@ -180,6 +180,23 @@ CPU5M_EXAONE4 = {
     "sliding_window": 64,
     "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
 }
+# and in Qwen2-MoE's (Qwen1.5-MoE-A2.7B's proportions: every layer sparse, top-2 of 8 experts not renormalised, a
+# gated shared expert four experts wide; q/k/v biases): each layer's MLP parameters as CPU5M's dense MLP
+CPU5M_QWEN2MOE = {
+    **CPU5M,
+    "architectures": ["Qwen2MoeForCausalLM"],
+    "model_type": "qwen2_moe",
+    "head_dim": 64,
+    "qkv_bias": True,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 256,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": False,
+    "use_sliding_window": False,
+}
 # and in Phi-4-mini's (three quarters of each head turned, by LongRoPE's short factors within 4,096 positions)
 _SHORT = [1.0 + 0.05 * i for i in range(24)]
 CPU5M_PHI4_MINI = {
@@ -210,6 +227,7 @@ SHAPES = {
     "cpu5m-phi4mini": (CPU5M_PHI4_MINI, 34, 128),
     "cpu5m-ernie45": (CPU5M_ERNIE45, 34, 128),
     "cpu5m-exaone4": (CPU5M_EXAONE4, 34, 128),
+    "cpu5m-qwen2moe": (CPU5M_QWEN2MOE, 34, 128),
 }
 SYSTEMS = (
     "areno",
@@ -832,7 +850,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shapes",
         default=None,
-        help="comma list of 0.5b,1.5b,olmo2-1b,gemma3-1b,tiny,cpu12m,cpu5m,cpu5m-olmo2,cpu5m-gemma3,cpu5m-gemma2,cpu5m-glm4,cpu5m-granite,cpu5m-phi4mini,cpu5m-ernie45,cpu5m-exaone4 (default: 0.5b,1.5b on CUDA, tiny on CPU)",
+        help="comma list of 0.5b,1.5b,olmo2-1b,gemma3-1b,tiny,cpu12m,cpu5m,cpu5m-olmo2,cpu5m-gemma3,cpu5m-gemma2,cpu5m-glm4,cpu5m-granite,cpu5m-phi4mini,cpu5m-ernie45,cpu5m-exaone4,cpu5m-qwen2moe (default: 0.5b,1.5b on CUDA, tiny on CPU)",
     )
     p.add_argument("--systems", default="areno,areno_async,trl", help=f"comma list of {','.join(SYSTEMS)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system")
