@@ -14,6 +14,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig
@@ -33,6 +34,7 @@ from tests.helpers.families import (
     saved_by_transformers,
 )
 
+TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 # three layers: sparse, dense (mlp_only_layers), sparse; the shared expert wider than the routed ones
 SHAPE = dict(
     num_hidden_layers=3,
@@ -84,8 +86,9 @@ def test_a_checkpoint_transformers_saved_computes_its_logprobs_and_exports_its_n
     assert (ours - expected).abs().max().item() <= 1e-4
     assert (ungated - expected).abs().max().item() > 1e-2
     assert config.num_params() == sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ref.parameters())
-    ref_sd, ours_sd = ref.state_dict(), model.state_dict()  # transformers 5's names in memory too
-    assert sorted(ours_sd) == sorted(ref_sd) and all(torch.equal(ours_sd[k], ref_sd[k]) for k in ours_sd)
+    if TRANSFORMERS_MAJOR >= 5:  # transformers 5's names in memory too (4.x keeps a module per expert)
+        ref_sd, ours_sd = ref.state_dict(), model.state_dict()
+        assert sorted(ours_sd) == sorted(ref_sd) and all(torch.equal(ours_sd[k], ref_sd[k]) for k in ours_sd)
     assert_export_reads_back(model, config, seqs, expected, tmp_path / "out")
     assert _names(tmp_path / "out") == _names(tmp_path / "hf")
     assert "model.layers.2.mlp.experts.5.up_proj.weight" in _names(tmp_path / "out")
@@ -95,6 +98,20 @@ def test_a_checkpoint_transformers_saved_computes_its_logprobs_and_exports_its_n
         True,
         [1],
     )
+
+
+def _expert_grads(ref: nn.Module, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' gradients of layer ``layer``'s experts as [E, 2I, D] and [E, D, I]: fused in 5.x, stacked
+    from a module per expert in 4.x (an expert no token reached: zeros)."""
+    experts = ref.model.layers[layer].mlp.experts
+    if hasattr(experts, "gate_up_proj"):
+        return experts.gate_up_proj.grad, experts.down_proj.grad
+
+    def grad(p: torch.Tensor) -> torch.Tensor:
+        return p.grad if p.grad is not None else torch.zeros_like(p)
+
+    gate_up = [torch.cat([grad(e.gate_proj.weight), grad(e.up_proj.weight)]) for e in experts]
+    return torch.stack(gate_up), torch.stack([grad(e.down_proj.weight) for e in experts])
 
 
 def test_gradients_and_the_load_balancing_loss_match_transformers(tmp_path):
@@ -107,14 +124,17 @@ def test_gradients_and_the_load_balancing_loss_match_transformers(tmp_path):
             "model.embed_tokens.weight",
             "model.layers.0.self_attn.k_proj.bias",
             "model.layers.0.mlp.gate.weight",
-            "model.layers.0.mlp.experts.gate_up_proj",
-            "model.layers.2.mlp.experts.down_proj",
             "model.layers.0.mlp.shared_expert.gate_proj.weight",
             "model.layers.2.mlp.shared_expert.down_proj.weight",
             "model.layers.2.mlp.shared_expert_gate.weight",
             "model.layers.1.mlp.up_proj.weight",
         ],
     )
+    for i in (0, 2):  # the routed experts, under either version's names
+        ours = model.model.layers[i].mlp.experts
+        for got, want in zip((ours.gate_up_proj.grad, ours.down_proj.grad), _expert_grads(ref, i)):
+            assert want.abs().max() > 0
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
     # the aux loss over the sparse layers' router logits only (the dense layer and the shared expert add none)
     aux = Decoder(config.replace(output_router_logits=True))
     aux.load_state_dict(model.state_dict())
