@@ -411,6 +411,13 @@ class ModelConfig:
             )
         if arch == QWEN2_MOE and self.attention_out_bias:
             raise ValueError(f"{arch} has no o_proj bias (attention_bias is its q/k/v's, config.json's qkv_bias)")
+        if arch == QWEN2_MOE and self.head_dim * self.num_attention_heads != self.hidden_size:
+            # transformers 4.x refuses to build it, vLLM takes head_dim = hidden_size / heads whatever it says
+            raise ValueError(
+                f"{arch}: head_dim={self.head_dim} x num_attention_heads={self.num_attention_heads} must equal "
+                f"hidden_size={self.hidden_size} (transformers 4.x and vLLM build no other): drop head_dim from "
+                "config.json"
+            )
         if (
             arch
             in (

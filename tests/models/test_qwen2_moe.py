@@ -292,3 +292,23 @@ def test_what_it_cannot_be_is_refused_in_one_line():
         tiny_config(VOCAB, arch="qwen2_moe", attention_out_bias=True)
     with pytest.raises(ValueError, match="tp_size=1"):
         check_tp_size(tiny_config(VOCAB, arch="qwen2_moe"), 2)
+    with pytest.raises(ValueError, match="drop head_dim from config.json"):
+        ModelConfig.from_hf({**d, "head_dim": 32})
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_server_rollouts_refuse_q_k_v_without_biases_before_any_server_starts(tmp_path, monkeypatch, backend):
+    from areno.api.config import load_config
+    from areno.engine.seams import SideSetup
+    from areno.engine.servers import ServerRolloutSide
+
+    monkeypatch.setattr("areno.engine.servers.check_server_install", lambda backend: None)
+    started = []
+    monkeypatch.setattr("areno.engine.servers.start_servers", lambda *a, **k: started.append(a))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(tiny_config(VOCAB, arch="qwen2_moe", attention_bias=False).to_hf()))
+    cfg = load_config(None, [f"model.path={model}", f"run_dir={tmp_path / 'run'}", f"rollout.backend={backend}"])
+    with pytest.raises(ValueError, match=f"^rollout.backend={backend}: .* Qwen2-MoE checkpoint with qkv_bias=false"):
+        ServerRolloutSide(cfg, tmp_path / "run").start(SideSetup(recipe=None, model_dir=model, tokenizer=None))
+    assert not started
