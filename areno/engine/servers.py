@@ -130,9 +130,8 @@ class ServerRolloutSide(RolloutSide):
                 f"rollout.backend={self.backend}: {setup.model_dir} is a gpt-oss checkpoint, whose weight updates "
                 f"into {self.backend} (its fused, interleaved experts) areno has not tested: use rollout.backend=areno"
             )
-        if "Qwen2MoeForCausalLM" in (model_config.get("architectures") or []) and not model_config.get(
-            "qkv_bias", True
-        ):
+        qwen2_moe = "Qwen2MoeForCausalLM" in (model_config.get("architectures") or [])
+        if qwen2_moe and not model_config.get("qkv_bias", True):
             raise ConfigError(
                 f"rollout.backend={self.backend}: {setup.model_dir} is a Qwen2-MoE checkpoint with qkv_bias=false, "
                 "which vLLM's Qwen2-MoE builds with q/k/v biases all the same (no released one sets it): use "

@@ -577,11 +577,10 @@ class ModelConfig:
                 f"only {', '.join(MOE_ARCHITECTURES)} have experts (and need num_experts > 0)"
             )
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
-        if (self.shared_expert_intermediate_size > 0) != (
-            arch == QWEN2_MOE
-        ) or self.shared_expert_intermediate_size < 0:
+        shared = self.shared_expert_intermediate_size
+        if shared < 0 or (shared > 0) != (arch == QWEN2_MOE):
             raise ValueError(
-                f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} is impossible for {arch}: "
+                f"shared_expert_intermediate_size={shared} is impossible for {arch}: "
                 f"only {QWEN2_MOE} has a shared expert (and needs a width > 0)"
             )
         if not self.num_experts:
