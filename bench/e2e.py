@@ -213,6 +213,23 @@ CPU5M_GLM4_MOE = {
     "routed_scaling_factor": 2.5,
     "norm_topk_prob": True,
 }
+# and in Qwen2-MoE's (Qwen1.5-MoE-A2.7B's proportions: every layer sparse, top-2 of 8 experts not renormalised, a
+# gated shared expert four experts wide; q/k/v biases): each layer's MLP parameters as CPU5M's dense MLP
+CPU5M_QWEN2MOE = {
+    **CPU5M,
+    "architectures": ["Qwen2MoeForCausalLM"],
+    "model_type": "qwen2_moe",
+    "head_dim": 64,
+    "qkv_bias": True,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 256,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": False,
+    "use_sliding_window": False,
+}
 # and in Phi-4-mini's (three quarters of each head turned, by LongRoPE's short factors within 4,096 positions)
 _SHORT = [1.0 + 0.05 * i for i in range(24)]
 CPU5M_PHI4_MINI = {
@@ -245,6 +262,7 @@ SHAPES = {
     "cpu5m-ernie45": (CPU5M_ERNIE45, 34, 128),
     "cpu5m-exaone4": (CPU5M_EXAONE4, 34, 128),
     "cpu5m-glm4moe": (CPU5M_GLM4_MOE, 34, 128),
+    "cpu5m-qwen2moe": (CPU5M_QWEN2MOE, 34, 128),
 }
 SYSTEMS = (
     "areno",

@@ -401,8 +401,10 @@ def _param_count(model_config: Any) -> int:
         return L * (attn + 3 * h * i + 2 * h) + embed + h
     # an expert layer holds every expert's SwiGLU, the router and any shared experts; the others keep a dense MLP
     sparse = sum(model_config.is_moe_layer(k) for k in range(L))
-    experts += model_config.n_shared_experts  # one expert's width each, without a router row
+    experts += model_config.n_shared_experts  # one expert's width each, without a router row (GLM-4.5)
     expert_mlp = experts * 3 * h * model_config.moe_intermediate_size + h * model_config.num_experts
+    shared = model_config.shared_expert_intermediate_size  # Qwen2-MoE's, and its gate
+    expert_mlp += 3 * h * shared + h if shared else 0
     return L * (attn + 2 * h) + sparse * expert_mlp + (L - sparse) * 3 * h * i + embed + h
 
 

@@ -130,6 +130,13 @@ class ServerRolloutSide(RolloutSide):
                 f"rollout.backend={self.backend}: {setup.model_dir} is a gpt-oss checkpoint, whose weight updates "
                 f"into {self.backend} (its fused, interleaved experts) areno has not tested: use rollout.backend=areno"
             )
+        qwen2_moe = "Qwen2MoeForCausalLM" in (model_config.get("architectures") or [])
+        if qwen2_moe and not model_config.get("qkv_bias", True):
+            raise ConfigError(
+                f"rollout.backend={self.backend}: {setup.model_dir} is a Qwen2-MoE checkpoint with qkv_bias=false, "
+                "which vLLM's Qwen2-MoE builds with q/k/v biases all the same (no released one sets it): use "
+                "rollout.backend=areno"
+            )
         if cfg.servers:
             self.urls = [u.rstrip("/") for u in cfg.servers]
             api_key = cfg.server_api_key

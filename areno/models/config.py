@@ -46,6 +46,10 @@ Supported architectures (``architectures[0]`` in ``config.json``) and what sets 
   within the best groups by score + a correction bias (``router_scoring="sigmoid"``: ``moe.SigmoidRouter``, kept in
   float32) and whose shared experts add to the routed ones (``n_shared_experts``); the multi-token-prediction
   layers its checkpoints carry past ``num_hidden_layers`` are skipped on load.
+- ``Qwen2MoeForCausalLM`` (Qwen1.5-MoE, Qwen2-57B-A14B) Qwen2's attention (q/k/v bias as ``qkv_bias`` says, no
+  window: ``use_sliding_window`` is refused, transformers versions window different layers); Qwen3-MoE's sparse
+  blocks, each with a shared SwiGLU expert of ``shared_expert_intermediate_size`` scaled by
+  ``sigmoid(shared_expert_gate(x))`` and added to the routed output; dense MLPs in the other layers.
 - ``GptOssForCausalLM``  (gpt-oss) q/k/v/o bias, a learned sink logit per query head in every softmax
   (``attention_sinks``), a 128-token window in every other layer, YaRN; an expert block in every layer
   whose router and experts have biases (``expert_bias``) and whose SwiGLU is clamped
@@ -93,6 +97,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Ernie4_5ForCausalLM": "ernie4_5",
     "Exaone4ForCausalLM": "exaone4",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 SEQUENCE_CLASSIFIER_SUFFIX = "ForSequenceClassification"
 """transformers' scalar-head layout (``score.weight`` [num_labels, hidden] on the decoder, no LM
@@ -109,7 +114,8 @@ def causal_architecture(arch: str) -> str:
 
 GPT_OSS = "GptOssForCausalLM"
 GLM4_MOE = "Glm4MoeForCausalLM"
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", GPT_OSS, GLM4_MOE)
+QWEN2_MOE = "Qwen2MoeForCausalLM"
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", GPT_OSS, GLM4_MOE, QWEN2_MOE)
 WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "Ministral3ForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 """The layouts transformers gives one sliding window in every layer (``sliding_window`` in config.json)."""
 EXAONE4 = "Exaone4ForCausalLM"
@@ -269,7 +275,10 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     """Layer i is sparse when ``(i + 1) % decoder_sparse_step == 0`` and i is not in ``mlp_only_layers``."""
     mlp_only_layers: tuple[int, ...] = ()
-    """Layers that keep a dense MLP of ``intermediate_size`` (Qwen3-MoE)."""
+    """Layers that keep a dense MLP of ``intermediate_size`` (Qwen3-MoE, Qwen2-MoE)."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the shared SwiGLU expert every sparse block of Qwen2-MoE runs on every token beside the routed
+    ones (``mlp.shared_expert``), its output scaled by ``sigmoid(mlp.shared_expert_gate(x))``; 0: none."""
     router_aux_loss_coef: float = 0.001
     """Weight of the router load-balancing loss added to the training loss when ``output_router_logits``."""
     output_router_logits: bool = False
@@ -426,6 +435,15 @@ class ModelConfig:
         ):
             raise ValueError(
                 "Qwen2ForCausalLM has q/k/v bias and no o_proj bias: set attention_bias=True, attention_out_bias=False"
+            )
+        if arch == QWEN2_MOE and self.attention_out_bias:
+            raise ValueError(f"{arch} has no o_proj bias (attention_bias is its q/k/v's, config.json's qkv_bias)")
+        if arch == QWEN2_MOE and self.head_dim * self.num_attention_heads != self.hidden_size:
+            # transformers 4.x refuses to build it, vLLM takes head_dim = hidden_size / heads whatever it says
+            raise ValueError(
+                f"{arch}: head_dim={self.head_dim} x num_attention_heads={self.num_attention_heads} must equal "
+                f"hidden_size={self.hidden_size} (transformers 4.x and vLLM build no other): drop head_dim from "
+                "config.json"
             )
         if (
             arch
@@ -586,6 +604,12 @@ class ModelConfig:
                 f"only {', '.join(MOE_ARCHITECTURES)} have experts (and need num_experts > 0)"
             )
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        shared = self.shared_expert_intermediate_size
+        if shared < 0 or (shared > 0) != (arch == QWEN2_MOE):
+            raise ValueError(
+                f"shared_expert_intermediate_size={shared} is impossible for {arch}: "
+                f"only {QWEN2_MOE} has a shared expert (and needs a width > 0)"
+            )
         if not self.num_experts:
             return
         if not 0 < self.num_experts_per_tok <= self.num_experts:
@@ -808,6 +832,8 @@ class ModelConfig:
         moe += self.n_shared_experts * 3 * d * self.moe_intermediate_size  # GLM-4.5's shared experts
         if self.expert_bias:  # the router's and each expert's gate/up and down biases
             moe += self.num_experts * (1 + 2 * self.moe_intermediate_size + d)
+        if self.shared_expert_intermediate_size:  # Qwen2-MoE's shared expert and its gate's row
+            moe += 3 * d * self.shared_expert_intermediate_size + d
         if self.attention_sinks:
             attn += hq
         sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
@@ -878,6 +904,8 @@ class ModelConfig:
             qkv_bias = out_bias = False
         elif arch in (GLM4, GLM4_MOE):
             qkv_bias, out_bias = attn_bias, False
+        elif arch == QWEN2_MOE:  # its class reads qkv_bias (default true), not attention_bias
+            qkv_bias, out_bias = bool(d.get("qkv_bias", True)), False
         elif arch == ERNIE4_5:  # one key biases every projection, the MLP's too
             qkv_bias = out_bias = bool(d.get("use_bias", False))
         elif arch == EXAONE4:  # its class builds no bias whatever attention_bias says
@@ -1038,13 +1066,20 @@ class ModelConfig:
                 residual_multiplier=self.residual_multiplier,
                 logits_scaling=self.logits_scaling,
             )
-        if self.architecture == "Qwen3MoeForCausalLM":
+        if self.architecture in ("Qwen3MoeForCausalLM", QWEN2_MOE):
             d.update(
                 num_experts=self.num_experts,
                 moe_intermediate_size=self.moe_intermediate_size,
                 norm_topk_prob=self.norm_topk_prob,
                 decoder_sparse_step=self.decoder_sparse_step,
                 mlp_only_layers=list(self.mlp_only_layers),
+            )
+        if self.architecture == QWEN2_MOE:  # no window (refused in reading), q/k/v biases as qkv_bias
+            d.update(
+                shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+                qkv_bias=self.attention_bias,
+                use_sliding_window=False,
+                sliding_window=None,
             )
         if self.architecture == "MixtralForCausalLM":
             # Mixtral's experts are intermediate_size wide; areno keeps the dense width apart
@@ -1186,6 +1221,16 @@ def _read_moe(arch: str, d: dict[str, Any]) -> dict[str, Any]:
             num_experts_per_tok=d["num_experts_per_tok"],
             output_router_logits=bool(d.get("output_router_logits", False)),  # refused when true
         )
+    if arch == QWEN2_MOE:
+        return dict(
+            num_experts=d.get("num_experts", 60),
+            moe_intermediate_size=d.get("moe_intermediate_size", 1408),
+            shared_expert_intermediate_size=d.get("shared_expert_intermediate_size", 5632),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            decoder_sparse_step=d.get("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+            **common,
+        )
     if arch == "MixtralForCausalLM":
         if d.get("router_jitter_noise"):
             raise ValueError(
@@ -1223,6 +1268,12 @@ HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {**_COMMON, **_QWEN_WINDOW, "num_key_value_heads": 4, "max_position_embeddings": 32768,
                   "attention_bias": False, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                   "norm_topk_prob": False, "decoder_sparse_step": 1, "router_aux_loss_coef": 0.001, "rope_theta": 1e4},
+    "qwen2_moe": {**_COMMON, **_QWEN_WINDOW, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632,
+                  "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+                  "max_position_embeddings": 32768, "max_window_layers": 28, "num_experts": 60,
+                  "num_experts_per_tok": 4, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+                  "norm_topk_prob": False, "decoder_sparse_step": 1, "router_aux_loss_coef": 0.001,
+                  "output_router_logits": False, "qkv_bias": True, "rope_theta": 1e4},
     "olmo2": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "attention_bias": False,
               "rope_theta": 1e4},
     "olmo3": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "attention_bias": False,
@@ -1334,6 +1385,15 @@ def _sliding_window(arch: str, d: dict[str, Any]) -> tuple[int | None, tuple[int
             return window, None
     elif arch in ("LlamaForCausalLM", "Olmo2ForCausalLM", GLM4, GRANITE, GLM4_MOE):
         return None, None  # transformers gives them no window (and ignores the keys)
+    elif arch == QWEN2_MOE:
+        if d.get("use_sliding_window") or "sliding_attention" in (types or ()):
+            # 4.x windows every layer from max_window_layers on (flash) or every layer (its masks), 5.x the even
+            # layers below max_window_layers: no one model to compute; the released checkpoints set it false
+            raise ValueError(
+                f"config.json: {arch} with use_sliding_window=true or sliding_attention layer_types is not supported "
+                "(transformers 4.x and 5.x window different layers): set use_sliding_window to false"
+            )
+        return None, None
     elif arch in (GPT_OSS, GEMMA2):
         window = d.get("sliding_window")
         if types is None:  # their config classes' default: every other layer slides, the first among them

@@ -2,9 +2,10 @@
 
 Module names equal the Hugging Face names (``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``,
 ``model.norm``, ``lm_head`` …), so ``Decoder.state_dict()`` *is* the HF state dict; the tied output
-projection has no ``lm_head`` module. Mixture-of-experts layers (``moe.SparseMoE``, Qwen3-MoE and
-Mixtral) hold their experts fused as transformers 5 does in memory; ``hf_io`` maps them to the
-per-expert names checkpoints store.
+projection has no ``lm_head`` module. Mixture-of-experts layers (``moe.SparseMoE``, Qwen3-MoE,
+Mixtral, gpt-oss, Qwen2-MoE) hold their experts fused as transformers 5 does in memory; ``hf_io`` maps them to
+the per-expert names checkpoints store. Qwen2-MoE's shared expert is an ``MLP`` inside the block
+(``mlp.shared_expert``).
 
 Inputs are packed and 1-D: ``input_ids_T`` holds all sequences concatenated and ``position_ids_T``
 restarts at 0 for each. Attention is delegated to an ``AttentionBackend`` called in every layer as
@@ -402,9 +403,18 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp_size: int = 1, tp_reduce: TPReduce | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp_size: int = 1,
+        tp_reduce: TPReduce | None = None,
+        *,
+        intermediate_size: int | None = None,
+    ) -> None:
+        """``intermediate_size``: the width where it is not ``config.intermediate_size`` (Qwen2-MoE's shared expert)."""
         super().__init__()
-        d, i, b = config.hidden_size, config.intermediate_size // tp_size, config.mlp_bias
+        d, b = config.hidden_size, config.mlp_bias
+        i = (intermediate_size or config.intermediate_size) // tp_size
         self.tp_reduce = tp_reduce
         self.gate_proj = nn.Linear(d, i, bias=b)
         self.up_proj = nn.Linear(d, i, bias=b)
@@ -447,9 +457,12 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx, tp_size, tp_reduce)
-        self.mlp = (
-            moe.SparseMoE(config, layer_idx) if config.is_moe_layer(layer_idx) else MLP(config, tp_size, tp_reduce)
-        )
+        if config.is_moe_layer(layer_idx):
+            width = config.shared_expert_intermediate_size  # Qwen2-MoE's shared expert (expert models run whole)
+            shared = MLP(config, intermediate_size=width) if width else None
+            self.mlp = moe.SparseMoE(config, layer_idx, shared_expert=shared)
+        else:
+            self.mlp = MLP(config, tp_size, tp_reduce)
         d, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_weight_offset
         self.layout = config.norm_layout
         self.residual_scale = config.residual_multiplier
@@ -510,7 +523,7 @@ class DecoderModel(nn.Module):
 
 class Decoder(nn.Module):
     """Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral / OLMo 2 / OLMo 3 / Gemma 3 / Phi-3 / SmolLM3 / gpt-oss /
-    GLM-4 / Ernie 4.5 / EXAONE 4 / Gemma 2 / Granite 3 / GLM-4.5 decoder over packed
+    GLM-4 / Ernie 4.5 / EXAONE 4 / Gemma 2 / Granite 3 / GLM-4.5 / Qwen2-MoE decoder over packed
     1-D token streams.
 
     Tensor parallelism without torch.distributed in the model: with ``tp_size > 1`` this module

@@ -80,6 +80,7 @@ _TINY_ARCHS = {
     "ernie4_5": "Ernie4_5ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 _TINY_NORM_LAYOUTS = {
     "olmo2": "post",
@@ -623,10 +624,11 @@ def tiny_config(
     multipliers as its released models set them: embeddings times 12, scores scaled by 1 / head_dim, block outputs
     times 0.22, logits divided by 8), smollm3 (no RoPE in layers 3, 7, ...), qwen3_moe,
     mixtral (4 experts, top-2, each half the dense MLP's width), gpt_oss (those experts with biases and the
-    clamped SwiGLU, attention biases and sinks, a 16-token window in every other layer from the first) or glm4_moe
+    clamped SwiGLU, attention biases and sinks, a 16-token window in every other layer from the first), glm4_moe
     (GLM-4.5: a dense first layer, then 8 experts in 4 groups, top-2 from the best 2 groups by a sigmoid router
     scaled by 2.5, a shared expert, q/k/v biases and per-head q/k norms, half of each head turned by rotate-half
-    RoPE). ``kw`` overrides any other ModelConfig field
+    RoPE) or qwen2_moe (qwen3_moe's experts without q/k norms, with q/k/v biases and a gated shared expert of the
+    hidden size's width). ``kw`` overrides any other ModelConfig field
     (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``). Token ids default to the char
     tokenizer's (pad 0, bos 1, eos 2).
     """
@@ -636,7 +638,7 @@ def tiny_config(
     if arch not in _TINY_ARCHS:
         raise ValueError(f"tiny_config arch must be one of {sorted(_TINY_ARCHS)}, got {arch!r}")
     architecture = _TINY_ARCHS[arch]
-    qkv_bias = arch in ("qwen2", "gpt_oss", "glm4", "glm4_moe")
+    qkv_bias = arch in ("qwen2", "gpt_oss", "glm4", "glm4_moe", "qwen2_moe")
     fields: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -680,7 +682,7 @@ def tiny_config(
         fields.update(attention_bias=True, attention_out_bias=True, mlp_bias=True)
     if arch == "smollm3":
         fields["nope_layers"] = tuple(i for i in range(layers) if (i + 1) % 4 == 0)
-    if arch in ("qwen3_moe", "mixtral", "gpt_oss"):
+    if arch in ("qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe"):
         fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size)
         fields["norm_topk_prob"] = arch in ("mixtral", "gpt_oss")
     if arch == "gpt_oss":
@@ -694,6 +696,8 @@ def tiny_config(
         fields.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2)
         fields.update(norm_topk_prob=True, router_scoring="sigmoid", n_group=4, topk_group=2)
         fields.update(routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1, partial_rotary_factor=0.5)
+    if arch == "qwen2_moe":
+        fields["shared_expert_intermediate_size"] = hidden_size
     fields.update(kw)
     if arch == "exaone4" and "nope_layers" not in kw:  # where a window is set, the layers without one turn by none
         window, window_layers = fields.get("sliding_window"), fields.get("window_layers")

@@ -1,7 +1,8 @@
 """Inference-only rewrites of a decoder (the rollout engine applies them; training never does).
 
 - Fused projections: per layer, q/k/v and gate/up as one GEMM each (``fuse_projections``,
-  ``fused_linear.FusedRows``): names, ``state_dict()`` and the parameter objects are unchanged.
+  ``fused_linear.FusedRows``): names, ``state_dict()`` and the parameter objects are unchanged. A sparse
+  layer's dense MLPs (Qwen2-MoE's shared expert: ``dense_mlps``) take gate/up as a dense layer's MLP does.
 - Packed CPU GEMMs: a oneDNN-packed copy beside each large fp32 CPU weight (``CpuGemmPacks``,
   ``cpu_gemm.PackedWeight``), read by no-grad forwards through ``linear`` and ``rowwise``.
 - Fused residual add + RMSNorm between the blocks of every layer (``forward_add_norm``), where the
@@ -42,6 +43,15 @@ def rowwise(lin: nn.Linear, x: torch.Tensor, tp_reduce: TPReduce | None) -> torc
 
 
 # ------------------------------------------------------------------------------ fused projections
+def dense_mlps(layer: nn.Module) -> list[nn.Module]:
+    """The dense (gate/up/down) MLPs of a decoder layer: its MLP, or a sparse block's shared expert (whose
+    experts are fused tensors already)."""
+    m = layer.mlp
+    if not isinstance(m, moe.SparseMoE):
+        return [m]
+    return [m.shared_expert] if m.shared_expert is not None else []
+
+
 @torch.no_grad()
 def fuse_projections(layers: nn.ModuleList) -> None:
     """Per layer, stack the q/k/v projections' weights (and biases) into one [Dq + 2 Dkv, D] tensor
@@ -55,13 +65,12 @@ def fuse_projections(layers: nn.ModuleList) -> None:
     storages go back to PyTorch's cache (still used memory to ``torch.cuda.mem_get_info`` until
     reused)."""
     for layer in layers:
-        a, m = layer.self_attn, layer.mlp
+        a = layer.self_attn
         if a.qkv is None or not a.qkv.intact():
             a.qkv = fused_linear.FusedRows([a.q_proj, a.k_proj, a.v_proj])
-        if isinstance(m, moe.SparseMoE):  # its experts are fused tensors already
-            continue
-        if m.gate_up is None or not m.gate_up.intact():
-            m.gate_up = fused_linear.FusedRows([m.gate_proj, m.up_proj])
+        for m in dense_mlps(layer):
+            if m.gate_up is None or not m.gate_up.intact():
+                m.gate_up = fused_linear.FusedRows([m.gate_proj, m.up_proj])
 
 
 @torch.no_grad()
@@ -69,7 +78,7 @@ def unfuse_projections(layers: nn.ModuleList) -> None:
     """Undo ``fuse_projections``: every projection gets its own storage again (a copy of its
     current values) and forwards run one GEMM per projection; a no-op on layers never fused."""
     for layer in layers:
-        groups = [(layer.self_attn, "qkv")] + ([] if isinstance(layer.mlp, moe.SparseMoE) else [(layer.mlp, "gate_up")])
+        groups = [(layer.self_attn, "qkv")] + [(m, "gate_up") for m in dense_mlps(layer)]
         for owner, attr in groups:
             group = getattr(owner, attr)
             if group is None:
@@ -86,7 +95,7 @@ def projections_fused(layers: nn.ModuleList) -> bool:
     return all(
         layer.self_attn.qkv is not None
         and layer.self_attn.qkv.intact()
-        and (isinstance(layer.mlp, moe.SparseMoE) or (layer.mlp.gate_up is not None and layer.mlp.gate_up.intact()))
+        and all(m.gate_up is not None and m.gate_up.intact() for m in dense_mlps(layer))
         for layer in layers
     )
 
@@ -127,18 +136,17 @@ class CpuGemmPacks:
                 self.holders.append(owner)
 
         for layer in decoder.model.layers:
-            a, m = layer.self_attn, layer.mlp
-            sparse = isinstance(m, moe.SparseMoE)  # experts multiply per-expert slices: no packed copy
+            a = layer.self_attn
+            mlps = dense_mlps(layer)  # a sparse block's experts multiply per-expert slices: no packed copy
             groups = [(a.qkv, (a.q_proj, a.k_proj, a.v_proj))]
-            if not sparse:
-                groups.append((m.gate_up, (m.gate_proj, m.up_proj)))
+            groups += [(m.gate_up, (m.gate_proj, m.up_proj)) for m in mlps]
             for rows, lins in groups:
                 if rows is not None and rows.intact():  # one copy for the group's one GEMM
                     attach(rows, (rows, "weight"), [(lin, "weight") for lin in lins])
                 else:
                     for lin in lins:
                         attach(lin, (lin, "weight"))
-            for lin in (a.o_proj,) if sparse else (a.o_proj, m.down_proj):
+            for lin in (a.o_proj, *(m.down_proj for m in mlps)):
                 attach(lin, (lin, "weight"))
         attach(decoder, (decoder, "output_weight"))
         return len(self.packs)

@@ -1,10 +1,13 @@
-"""The sparse mixture-of-experts block of the Qwen3-MoE, Mixtral, gpt-oss and GLM-4.5 layouts, plain PyTorch.
+"""The sparse mixture-of-experts block of the Qwen3-MoE, Mixtral, gpt-oss, GLM-4.5 and Qwen2-MoE layouts, plain
+PyTorch.
 
 Module and parameter names equal transformers 5's in-memory ones (``mlp.gate.weight`` [E, D],
 ``mlp.experts.gate_up_proj`` [E, 2I, D], ``mlp.experts.down_proj`` [E, D, I]), for every layout;
 ``hf_io`` maps them to and from the per-expert names checkpoints store on disk (``expert_names``), and
 ``gpt_oss`` to gpt-oss's fused, interleaved ones (its router ``mlp.router``; biases on the router and the
-experts, a clamped SwiGLU: ``ExpertGLU``).
+experts, a clamped SwiGLU: ``ExpertGLU``). Qwen2-MoE adds a shared expert every token goes through
+(``mlp.shared_expert``, a dense SwiGLU MLP the decoder builds and hands in) scaled by
+``sigmoid(mlp.shared_expert_gate(x))`` ([1, D], no bias), added to the routed experts' sum.
 
 Routing as transformers does it: softmax over the router logits in fp32, top-k, optionally
 renormalised (``norm_topk_prob``; Mixtral always), cast to the activations' dtype. GLM-4.5's router
@@ -379,9 +382,11 @@ class RouteCapture:
 
 class SparseMoE(nn.Module):
     """The block in place of the dense MLP: ``gate`` (the router), ``experts`` and, where the layout has them,
-    ``shared_experts`` (GLM-4.5)."""
+    ``shared_experts`` (GLM-4.5's, ungated); with ``shared_expert`` (a dense MLP module of x [T, D] -> [T, D]:
+    Qwen2-MoE's) also that expert on every token, times ``sigmoid(shared_expert_gate(x))``, added to the routed sum
+    as transformers' ``Qwen2MoeSparseMoeBlock`` adds it."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, *, shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_experts = config.num_experts
@@ -390,6 +395,10 @@ class SparseMoE(nn.Module):
         self.gate = SigmoidRouter(config) if config.router_scoring == "sigmoid" else TopKRouter(config)
         self.experts = Experts(config)
         self.shared_experts = SharedExperts(config) if config.n_shared_experts else None
+        self.shared_expert = shared_expert
+        """Qwen2-MoE's shared expert (a dense SwiGLU MLP of ``shared_expert_intermediate_size``), or None."""
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared_expert is not None else None
+        """The shared expert's scalar gate per token, through a sigmoid (no bias, as transformers builds it)."""
         self.router_logits_TE: torch.Tensor | None = None
         """Router logits of the last training forward (kept when ``output_router_logits``)."""
         self.record: RoutingRecord | RouteCapture | None = None
@@ -428,7 +437,11 @@ class SparseMoE(nn.Module):
             out_TD = self.dispatch(x_TD, experts_TK, weights_TK, self.experts.gate_up_proj, self.experts.down_proj)
         else:
             out_TD = self.experts(x_TD, experts_TK, weights_TK)
-        return out_TD if self.shared_experts is None else out_TD + self.shared_experts(x_TD)
+        if self.shared_experts is not None:
+            out_TD = out_TD + self.shared_experts(x_TD)
+        if self.shared_expert is not None:  # in the model dtype, as transformers gates and adds it
+            out_TD = out_TD + torch.sigmoid(self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
+        return out_TD
 
 
 def sparse_blocks(model: nn.Module) -> list[SparseMoE]:

@@ -75,6 +75,9 @@ def tp_plan(config: ModelConfig) -> dict[str, str]:
         names = ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
         if config.expert_bias:
             names += ["mlp.gate.bias", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias"]
+        if config.shared_expert_intermediate_size:  # Qwen2-MoE's shared expert and its gate
+            names += [f"mlp.shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+            names += ["mlp.shared_expert_gate.weight"]
         for name in names:
             plan[f"{layer}{name}"] = REPLICATE
     if config.attention_sinks:  # one per query head, split with the heads

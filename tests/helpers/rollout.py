@@ -57,16 +57,32 @@ def naive_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[floa
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=10, ignore_eos=True, seed=11)
-ARCHS = ["qwen2", "llama", "olmo2", "olmo3", "gemma3", "smollm3", "glm4", "gemma2", "granite", "ernie4_5", "exaone4"]
+ARCHS = [
+    "qwen2",
+    "llama",
+    "olmo2",
+    "olmo3",
+    "gemma3",
+    "smollm3",
+    "glm4",
+    "gemma2",
+    "granite",
+    "ernie4_5",
+    "exaone4",
+    "qwen2_moe",
+]
 """q/k/v bias, no bias, q/k norms and post-block norms, a window in some layers only, GeGLU and norms
 around each block, a NoPE layer, half of each head turned by adjacent pairs with norms around each block in
 the model dtype, soft-capped attention scores and logits, scaled embeddings, scores, block outputs and logits,
 whole heads turned by adjacent pairs in float32 with every projection biased, per-head q/k norms with post-block
-norms in the model dtype and a NoPE full layer beside a window layer."""
+norms in the model dtype and a NoPE full layer beside a window layer, a dense layer beside a sparse one whose
+shared expert's gate/up fuse and pack as a dense MLP's."""
 
 
 def model_of(arch: str, seed: int = 0) -> tuple[Decoder, object]:
     kw = {"nope_layers": (1,)} if arch == "smollm3" else {}  # one rotated layer, one not
+    if arch == "qwen2_moe":  # layer 0 dense (the tests read its MLP), layer 1 sparse with the shared expert
+        kw = {"mlp_only_layers": (0,)}
     cfg = tiny_config(
         VOCAB, arch=arch, hidden_size=32, layers=2, heads=4, kv_heads=2, max_position_embeddings=256, **kw
     )

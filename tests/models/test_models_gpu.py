@@ -44,6 +44,7 @@ def _ref_logprobs(ref, seqs):
         "ministral3",
         "gpt_oss",
         "glm4_moe",
+        "qwen2_moe",
     ],
 )
 def test_bf16_logprob_parity_with_transformers(arch, tmp_path):

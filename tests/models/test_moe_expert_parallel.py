@@ -1,6 +1,7 @@
 """Expert parallelism (``areno.train.expert_parallel``) over a gloo group of 2 CPU processes equals
 one process holding every expert: the loss and every gradient (dense ones summed over the ranks,
-expert ones the rank's slice)."""
+expert ones the rank's slice), for Qwen3-MoE and for Qwen2-MoE (its shared expert data parallel, as the
+dense weights)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ VOCAB = 53
 LENS = [(11, 6), (4, 9)]  # rank r's sequences: the ranks hold different numbers of tokens
 
 
-def _model() -> Decoder:
+def _model(arch: str) -> Decoder:
     config = tiny_config(
-        VOCAB, arch="qwen3_moe", hidden_size=32, layers=3, num_experts=4, mlp_only_layers=(1,), initializer_range=0.2
+        VOCAB, arch=arch, hidden_size=32, layers=3, num_experts=4, mlp_only_layers=(1,), initializer_range=0.2
     )
     torch.manual_seed(0)
     return Decoder(config)
@@ -43,8 +44,8 @@ def _loss(model: Decoder, ids_T, pos_T, cu_B1) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits_TV[keep], ids_T.roll(-1)[keep], reduction="sum")
 
 
-def _worker(rank: int, world: int) -> None:
-    full = _model()
+def _worker(rank: int, world: int, arch: str) -> None:
+    full = _model(arch)
     batches = [_batch(lens, seed=r) for r, lens in enumerate(LENS)]
     ref_loss = sum(_loss(full, *b) for b in batches)
     ref_loss.backward()
@@ -70,5 +71,6 @@ def _worker(rank: int, world: int) -> None:
         AllToAllDispatch(dist.group.WORLD, 5)
 
 
-def test_expert_parallel_2_equals_1_and_refuses_an_uneven_split(tmp_path):
-    spawn(_worker, 2, tmp=tmp_path)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_expert_parallel_2_equals_1_and_refuses_an_uneven_split(tmp_path, arch):
+    spawn(_worker, 2, arch, tmp=tmp_path)

@@ -90,7 +90,8 @@ PHI4_MINI_ROPE = {
 # before the fused add + norm, no split-K MLP partials) and logits; ernie4_5: adjacent pairs of whole heads turned
 # in float32, biases on every projection; exaone4: a 6-key window in layer 0, layer 1 in full without RoPE (its
 # q/k norms still applied), post-block norms in the model dtype; glm4_moe: the float32 sigmoid router's group
-# choice and the shared expert in CUDA graphs
+# choice and the shared expert in CUDA graphs; qwen2_moe: routed experts and the gated shared expert (its gate/up
+# fused) in CUDA graphs
 @pytest.mark.parametrize(
     "arch",
     [
@@ -107,6 +108,7 @@ PHI4_MINI_ROPE = {
         "ernie4_5",
         "exaone4",
         "glm4_moe",
+        "qwen2_moe",
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
