@@ -180,6 +180,16 @@ CPU5M_EXAONE4 = {
     "sliding_window": 64,
     "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
 }
+# and in Granite 3 MoE's (cpu5m-granite's multipliers; every layer's MLP as 8 experts a quarter of its width,
+# 2 a token: the dense MLP's parameters, a quarter of them active, as granite-3.0-1b-a400m's 8 of 32)
+CPU5M_GRANITEMOE = {
+    **CPU5M_GRANITE,
+    "architectures": ["GraniteMoeForCausalLM"],
+    "model_type": "granitemoe",
+    "intermediate_size": 96,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+}
 # and in Phi-4-mini's (three quarters of each head turned, by LongRoPE's short factors within 4,096 positions)
 _SHORT = [1.0 + 0.05 * i for i in range(24)]
 CPU5M_PHI4_MINI = {
@@ -210,6 +220,7 @@ SHAPES = {
     "cpu5m-phi4mini": (CPU5M_PHI4_MINI, 34, 128),
     "cpu5m-ernie45": (CPU5M_ERNIE45, 34, 128),
     "cpu5m-exaone4": (CPU5M_EXAONE4, 34, 128),
+    "cpu5m-granitemoe": (CPU5M_GRANITEMOE, 34, 128),
 }
 SYSTEMS = (
     "areno",
@@ -832,7 +843,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shapes",
         default=None,
-        help="comma list of 0.5b,1.5b,olmo2-1b,gemma3-1b,tiny,cpu12m,cpu5m,cpu5m-olmo2,cpu5m-gemma3,cpu5m-gemma2,cpu5m-glm4,cpu5m-granite,cpu5m-phi4mini,cpu5m-ernie45,cpu5m-exaone4 (default: 0.5b,1.5b on CUDA, tiny on CPU)",
+        help="comma list of 0.5b,1.5b,olmo2-1b,gemma3-1b,tiny,cpu12m,cpu5m,cpu5m-olmo2,cpu5m-gemma3,cpu5m-gemma2,cpu5m-glm4,cpu5m-granite,cpu5m-phi4mini,cpu5m-ernie45,cpu5m-exaone4,cpu5m-granitemoe (default: 0.5b,1.5b on CUDA, tiny on CPU)",
     )
     p.add_argument("--systems", default="areno,areno_async,trl", help=f"comma list of {','.join(SYSTEMS)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system")

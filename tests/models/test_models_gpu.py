@@ -43,6 +43,7 @@ def _ref_logprobs(ref, seqs):
         "smollm3",
         "ministral3",
         "gpt_oss",
+        "granitemoe",
     ],
 )
 def test_bf16_logprob_parity_with_transformers(arch, tmp_path):

@@ -89,7 +89,8 @@ PHI4_MINI_ROPE = {
 # in layer 0; granite: scaled embeddings, scores (q scaled: past the fused RoPE + KV kernel), block outputs (scaled
 # before the fused add + norm, no split-K MLP partials) and logits; ernie4_5: adjacent pairs of whole heads turned
 # in float32, biases on every projection; exaone4: a 6-key window in layer 0, layer 1 in full without RoPE (its
-# q/k norms still applied), post-block norms in the model dtype
+# q/k norms still applied), post-block norms in the model dtype; granitemoe: granite's multipliers around expert
+# blocks in every layer (the grouped GEMMs in CUDA graphs)
 @pytest.mark.parametrize(
     "arch",
     [
@@ -105,6 +106,7 @@ PHI4_MINI_ROPE = {
         "granite",
         "ernie4_5",
         "exaone4",
+        "granitemoe",
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
