@@ -230,6 +230,16 @@ CPU5M_QWEN2MOE = {
     "norm_topk_prob": False,
     "use_sliding_window": False,
 }
+# and in Granite 3 MoE's (cpu5m-granite's multipliers; every layer's MLP as 8 experts a quarter of its width,
+# 2 a token: the dense MLP's parameters, a quarter of them active, as granite-3.0-1b-a400m's 8 of 32)
+CPU5M_GRANITEMOE = {
+    **CPU5M_GRANITE,
+    "architectures": ["GraniteMoeForCausalLM"],
+    "model_type": "granitemoe",
+    "intermediate_size": 96,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+}
 # and in Phi-4-mini's (three quarters of each head turned, by LongRoPE's short factors within 4,096 positions)
 _SHORT = [1.0 + 0.05 * i for i in range(24)]
 CPU5M_PHI4_MINI = {
@@ -263,6 +273,7 @@ SHAPES = {
     "cpu5m-exaone4": (CPU5M_EXAONE4, 34, 128),
     "cpu5m-glm4moe": (CPU5M_GLM4_MOE, 34, 128),
     "cpu5m-qwen2moe": (CPU5M_QWEN2MOE, 34, 128),
+    "cpu5m-granitemoe": (CPU5M_GRANITEMOE, 34, 128),
 }
 SYSTEMS = (
     "areno",

@@ -57,6 +57,12 @@ from areno.sync.disk import CheckpointNamedSource, checkpoint_names_differ
 logger = logging.getLogger(__name__)
 
 SERVED_NAME = "areno-policy"
+_FUSED_EXPERT_CHECKPOINTS = {
+    "GptOssForCausalLM": ("gpt-oss", "its fused, interleaved experts"),
+    "GraniteMoeForCausalLM": ("GraniteMoE", "its fused experts, block_sparse_moe.input_linear / output_linear"),
+}
+"""The layouts whose checkpoints store each layer's experts fused, as the servers' loaders take them from disk
+but areno's weight updates into them are untested: refused before any server starts (the engine serves them)."""
 """The model's name in the API of the servers areno starts."""
 STREAM_QUIET_S = 0.3
 """At a policy sync (servers paused): how long the open streams must have received nothing before the
@@ -125,10 +131,11 @@ class ServerRolloutSide(RolloutSide):
                 f"trains with its own rollout engine only (its {self.backend} path sends token ids, and its weight "
                 "updates of a vision-language model are untested): use rollout.backend=areno"
             )
-        if "GptOssForCausalLM" in (model_config.get("architectures") or []):
+        untested = _FUSED_EXPERT_CHECKPOINTS.get((model_config.get("architectures") or [None])[0])
+        if untested is not None:
             raise ConfigError(
-                f"rollout.backend={self.backend}: {setup.model_dir} is a gpt-oss checkpoint, whose weight updates "
-                f"into {self.backend} (its fused, interleaved experts) areno has not tested: use rollout.backend=areno"
+                f"rollout.backend={self.backend}: {setup.model_dir} is a {untested[0]} checkpoint, whose weight updates "
+                f"into {self.backend} ({untested[1]}) areno has not tested: use rollout.backend=areno"
             )
         qwen2_moe = "Qwen2MoeForCausalLM" in (model_config.get("architectures") or [])
         if qwen2_moe and not model_config.get("qkv_bias", True):

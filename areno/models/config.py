@@ -50,6 +50,11 @@ Supported architectures (``architectures[0]`` in ``config.json``) and what sets 
   window: ``use_sliding_window`` is refused, transformers versions window different layers); Qwen3-MoE's sparse
   blocks, each with a shared SwiGLU expert of ``shared_expert_intermediate_size`` scaled by
   ``sigmoid(shared_expert_gate(x))`` and added to the routed output; dense MLPs in the other layers.
+- ``GraniteMoeForCausalLM`` (IBM Granite 3 MoE, granite-3.x-1b-a400m / 3b-a800m) Granite's layers and
+  multipliers with a sparse expert block in every layer, its top-k weights a softmax over the top-k logits
+  (``norm_topk_prob``); its checkpoints store each layer's experts fused (``moe.expert_names``). The
+  shared-expert and Mamba hybrid layouts (``GraniteMoeShared``, Granite 4's ``GraniteMoeHybrid``) are refused
+  by name.
 - ``GptOssForCausalLM``  (gpt-oss) q/k/v/o bias, a learned sink logit per query head in every softmax
   (``attention_sinks``), a 128-token window in every other layer, YaRN; an expert block in every layer
   whose router and experts have biases (``expert_bias``) and whose SwiGLU is clamped
@@ -98,6 +103,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Exaone4ForCausalLM": "exaone4",
     "Glm4MoeForCausalLM": "glm4_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "GraniteMoeForCausalLM": "granitemoe",
 }
 SEQUENCE_CLASSIFIER_SUFFIX = "ForSequenceClassification"
 """transformers' scalar-head layout (``score.weight`` [num_labels, hidden] on the decoder, no LM
@@ -115,7 +121,8 @@ def causal_architecture(arch: str) -> str:
 GPT_OSS = "GptOssForCausalLM"
 GLM4_MOE = "Glm4MoeForCausalLM"
 QWEN2_MOE = "Qwen2MoeForCausalLM"
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", GPT_OSS, GLM4_MOE, QWEN2_MOE)
+GRANITEMOE = "GraniteMoeForCausalLM"
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", GPT_OSS, GLM4_MOE, QWEN2_MOE, GRANITEMOE)
 WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "Ministral3ForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 """The layouts transformers gives one sliding window in every layer (``sliding_window`` in config.json)."""
 EXAONE4 = "Exaone4ForCausalLM"
@@ -149,6 +156,8 @@ GLM4 = "Glm4ForCausalLM"
 PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", GLM4, GLM4_MOE)
 """The layouts whose transformers class turns only the first ``partial_rotary_factor`` of each head (Phi-4-mini)."""
 GRANITE = "GraniteForCausalLM"
+GRANITE_ARCHITECTURES = (GRANITE, GRANITEMOE)
+"""Granite 3's layouts, dense and mixture-of-experts: its four multipliers."""
 LLAMA_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "SmolLM3ForCausalLM", GRANITE)
 """The layouts whose transformers class reads Llama's ``mlp_bias`` (Ernie 4.5 reads ``use_bias``)."""
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *OLMO_ARCHITECTURES, GEMMA3, EXAONE4)
@@ -457,6 +466,7 @@ class ModelConfig:
                 GPT_OSS,
                 GRANITE,
                 ERNIE4_5,
+                GRANITEMOE,
             )
             and self.attention_bias != self.attention_out_bias
         ):
@@ -622,7 +632,7 @@ class ModelConfig:
             )
         if self.router_aux_loss_coef < 0:
             raise ValueError(f"ModelConfig.router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
-        if arch in ("MixtralForCausalLM", GPT_OSS) and (
+        if arch in ("MixtralForCausalLM", GPT_OSS, GRANITEMOE) and (
             not self.norm_topk_prob or self.decoder_sparse_step != 1 or self.mlp_only_layers
         ):
             raise ValueError(
@@ -726,9 +736,12 @@ class ModelConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive float, got {value!r}")
             object.__setattr__(self, name, float(value))
-            if self.architecture != GRANITE and value != (None if name == "attention_multiplier" else 1.0):
+            if self.architecture not in GRANITE_ARCHITECTURES and value != (
+                None if name == "attention_multiplier" else 1.0
+            ):
                 raise ValueError(
-                    f"{name}={value} is only expressible for {GRANITE} (Granite's multipliers), not {self.architecture}"
+                    f"{name}={value} is only expressible for {' and '.join(GRANITE_ARCHITECTURES)} (Granite's "
+                    f"multipliers), not {self.architecture}"
                 )
 
     @property
@@ -937,7 +950,7 @@ class ModelConfig:
             qk_norm_scope="projection" if arch in OLMO_ARCHITECTURES else "head",
             norm_layout=_norm_layout(arch),
             **(_gemma_fields(arch, d) if arch in GEMMA_ARCHITECTURES else {}),
-            **(_granite_fields(d) if arch == GRANITE else {}),
+            **(_granite_fields(d) if arch in GRANITE_ARCHITECTURES else {}),
             sliding_window=sliding_window,
             window_layers=window_layers,
             window_rope=window_rope,
@@ -990,6 +1003,7 @@ class ModelConfig:
             GLM4,
             GRANITE,
             GLM4_MOE,
+            GRANITEMOE,
         ):
             d["attention_bias"] = self.attention_bias
         if self.architecture in LLAMA_BIAS_ARCHITECTURES:
@@ -1059,7 +1073,8 @@ class ModelConfig:
                 attn_logit_softcapping=self.attn_logit_softcapping,
                 use_bidirectional_attention=False,
             )
-        if self.architecture == GRANITE:  # its class defaults attention_multiplier to 1, not head_dim^-1/2
+        if self.architecture in GRANITE_ARCHITECTURES:
+            # their classes default attention_multiplier to 1, not head_dim^-1/2: the scale is written out
             d.update(
                 embedding_multiplier=self.embedding_multiplier,
                 attention_multiplier=self.attention_scale,
@@ -1085,6 +1100,8 @@ class ModelConfig:
             # Mixtral's experts are intermediate_size wide; areno keeps the dense width apart
             d.update(num_local_experts=self.num_experts, intermediate_size=self.moe_intermediate_size)
             d["router_jitter_noise"] = 0.0
+        if self.architecture == GRANITEMOE:  # its experts are intermediate_size wide; it has no dense MLP
+            d.update(num_local_experts=self.num_experts, intermediate_size=self.moe_intermediate_size)
         if self.architecture == GPT_OSS:
             d.update(
                 num_local_experts=self.num_experts,
@@ -1139,7 +1156,17 @@ def _rope_per_type(config: ModelConfig) -> dict[str, Any]:
     return {"rope_parameters": {"full_attention": params(config), "sliding_attention": params(window)}}
 
 
-_ARCH_HINTS: dict[str, str] = {}
+_ARCH_HINTS: dict[str, str] = {
+    "GraniteMoeSharedForCausalLM": (
+        " (granitemoeshared: GraniteMoE with a shared_mlp beside its experts, which areno's decoder does not compute;"
+        " GraniteMoeForCausalLM, without it, is supported)"
+    ),
+    "GraniteMoeHybridForCausalLM": (
+        " (granitemoehybrid: Granite 4, its Mamba layers beside attention, which areno's decoder does not compute;"
+        " Granite 3's GraniteForCausalLM and GraniteMoeForCausalLM are supported)"
+    ),
+}
+"""What an unsupported architecture is, where its name is close to a supported one's."""
 
 
 def _refuse_quantized(d: dict[str, Any]) -> None:
@@ -1229,6 +1256,15 @@ def _read_moe(arch: str, d: dict[str, Any]) -> dict[str, Any]:
             norm_topk_prob=bool(d.get("norm_topk_prob", False)),
             decoder_sparse_step=d.get("decoder_sparse_step", 1),
             mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+            **common,
+        )
+    if arch == GRANITEMOE:
+        return dict(
+            num_experts=d.get("num_local_experts", 8),
+            moe_intermediate_size=d["intermediate_size"],
+            # GraniteMoeTopKRouter takes the top-k logits, then their softmax: exp(l_i) / sum over the top-k of
+            # exp(l_j), which is the softmax's top-k renormalised (the softmax keeps the order of the logits)
+            norm_topk_prob=True,
             **common,
         )
     if arch == "MixtralForCausalLM":
@@ -1336,6 +1372,10 @@ HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
                  "moe_intermediate_size": 1408, "num_experts_per_tok": 8, "n_shared_experts": 1, "n_routed_experts": 128,
                  "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
                  "norm_topk_prob": True, "rope_theta": 1e4},
+    "granitemoe": {**_COMMON, "max_position_embeddings": 2048, "attention_bias": False, "bos_token_id": 1,
+                   "eos_token_id": 2, "embedding_multiplier": 1.0, "attention_multiplier": 1.0,
+                   "residual_multiplier": 1.0, "logits_scaling": 1.0, "num_local_experts": 8, "num_experts_per_tok": 2,
+                   "output_router_logits": False, "router_aux_loss_coef": 0.001, "rope_theta": 1e4},
     "smollm3": {**_COMMON, "tie_word_embeddings": True, "max_position_embeddings": 32768, "attention_bias": False,
                 "mlp_bias": False, "use_sliding_window": False, "sliding_window": None, "no_rope_layer_interval": 4,
                 "rope_theta": 2e6},
@@ -1383,7 +1423,7 @@ def _sliding_window(arch: str, d: dict[str, Any]) -> tuple[int | None, tuple[int
         window = d.get("sliding_window")
         if arch != "MistralForCausalLM" or types is None:  # transformers reads layer_types for Mistral only
             return window, None
-    elif arch in ("LlamaForCausalLM", "Olmo2ForCausalLM", GLM4, GRANITE, GLM4_MOE):
+    elif arch in ("LlamaForCausalLM", "Olmo2ForCausalLM", GLM4, GRANITE, GLM4_MOE, GRANITEMOE):
         return None, None  # transformers gives them no window (and ignores the keys)
     elif arch == QWEN2_MOE:
         if d.get("use_sliding_window") or "sliding_attention" in (types or ()):

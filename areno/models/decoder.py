@@ -3,8 +3,8 @@
 Module names equal the Hugging Face names (``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``,
 ``model.norm``, ``lm_head`` …), so ``Decoder.state_dict()`` *is* the HF state dict; the tied output
 projection has no ``lm_head`` module. Mixture-of-experts layers (``moe.SparseMoE``, Qwen3-MoE,
-Mixtral, gpt-oss, Qwen2-MoE) hold their experts fused as transformers 5 does in memory; ``hf_io`` maps them to
-the per-expert names checkpoints store. Qwen2-MoE's shared expert is an ``MLP`` inside the block
+Mixtral, gpt-oss, GLM-4.5, Qwen2-MoE, GraniteMoE) hold their experts fused as transformers 5 does in memory; ``hf_io`` maps
+them to the per-expert names checkpoints store. Qwen2-MoE's shared expert is an ``MLP`` inside the block
 (``mlp.shared_expert``).
 
 Inputs are packed and 1-D: ``input_ids_T`` holds all sequences concatenated and ``position_ids_T``
@@ -523,7 +523,7 @@ class DecoderModel(nn.Module):
 
 class Decoder(nn.Module):
     """Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral / OLMo 2 / OLMo 3 / Gemma 3 / Phi-3 / SmolLM3 / gpt-oss /
-    GLM-4 / Ernie 4.5 / EXAONE 4 / Gemma 2 / Granite 3 / GLM-4.5 / Qwen2-MoE decoder over packed
+    GLM-4 / Ernie 4.5 / EXAONE 4 / Gemma 2 / Granite 3 / GLM-4.5 / Qwen2-MoE / Granite 3 MoE decoder over packed
     1-D token streams.
 
     Tensor parallelism without torch.distributed in the model: with ``tp_size > 1`` this module

@@ -2,9 +2,9 @@
 
 Tensor names need no mapping for dense models: ``Decoder`` module names equal the HF names. Expert
 models hold their experts fused ([E, ...] tensors, transformers 5's in-memory layout); their
-checkpoints store one tensor per expert (what transformers saves), which ``moe.disk_to_memory``
-maps in loading and ``moe.to_disk_state`` in saving. ``save_model`` writes a directory that
-``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+checkpoints store one tensor per expert (what transformers saves; GraniteMoE's keep them fused under
+names of their own), which ``moe.disk_to_memory`` maps in loading and ``moe.to_disk_state`` in saving.
+``save_model`` writes a directory that ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ _TINY_ARCHS = {
     "exaone4": "Exaone4ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
 }
 _TINY_NORM_LAYOUTS = {
     "olmo2": "post",
@@ -627,10 +628,10 @@ def tiny_config(
     clamped SwiGLU, attention biases and sinks, a 16-token window in every other layer from the first), glm4_moe
     (GLM-4.5: a dense first layer, then 8 experts in 4 groups, top-2 from the best 2 groups by a sigmoid router
     scaled by 2.5, a shared expert, q/k/v biases and per-head q/k norms, half of each head turned by rotate-half
-    RoPE) or qwen2_moe (qwen3_moe's experts without q/k norms, with q/k/v biases and a gated shared expert of the
-    hidden size's width). ``kw`` overrides any other ModelConfig field
-    (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``). Token ids default to the char
-    tokenizer's (pad 0, bos 1, eos 2).
+    RoPE), qwen2_moe (qwen3_moe's experts without q/k norms, with q/k/v biases and a gated shared expert of the
+    hidden size's width) or granitemoe (granite's multipliers around an expert block in every layer, 4 experts,
+    top-2, one width). ``kw`` overrides any other ModelConfig field (e.g. ``tie_word_embeddings=True``,
+    ``rope_scaling={...}``). Token ids default to the char tokenizer's (pad 0, bos 1, eos 2).
     """
     check_tiny_arguments(
         {"arch": arch, "hidden_size": hidden_size, "layers": layers, "heads": heads, "kv_heads": kv_heads, **kw}
@@ -674,7 +675,7 @@ def tiny_config(
         fields["query_position_scale"] = (0.1, 8)
     if arch == "glm4":  # half of each head turned, adjacent pairs together
         fields.update(partial_rotary_factor=0.5, rope_interleaved=True)
-    if arch == "granite":
+    if arch in ("granite", "granitemoe"):
         fields.update(embedding_multiplier=12.0, attention_multiplier=1.0 / (hidden_size // heads))
         fields.update(residual_multiplier=0.22, logits_scaling=8.0, tie_word_embeddings=True)
     if arch == "ernie4_5":  # every projection biased (use_bias), so that every path carries the biases
@@ -682,11 +683,12 @@ def tiny_config(
         fields.update(attention_bias=True, attention_out_bias=True, mlp_bias=True)
     if arch == "smollm3":
         fields["nope_layers"] = tuple(i for i in range(layers) if (i + 1) % 4 == 0)
-    if arch in ("qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe"):
+    if arch in ("qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "granitemoe"):
         fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size)
-        fields["norm_topk_prob"] = arch in ("mixtral", "gpt_oss")
-    if arch == "gpt_oss":
+        fields["norm_topk_prob"] = arch in ("mixtral", "gpt_oss", "granitemoe")
+    if arch in ("gpt_oss", "granitemoe"):
         fields["intermediate_size"] = hidden_size  # one width, the experts' (config.json has no other)
+    if arch == "gpt_oss":
         fields.update(attention_sinks=True, expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)
         fields.update(sliding_window=16, window_layers=tuple(range(0, layers, 2)))
         # transformers 5 gives every gpt-oss YaRN; over 64 original positions, short sequences pass them
@@ -703,6 +705,6 @@ def tiny_config(
         window, window_layers = fields.get("sliding_window"), fields.get("window_layers")
         full = [i for i in range(layers) if window_layers is not None and i not in window_layers]
         fields["nope_layers"] = tuple(full) if window is not None else ()
-    if arch in ("mixtral", "gpt_oss") and "moe_intermediate_size" not in kw and "intermediate_size" in kw:
+    if arch in ("mixtral", "gpt_oss", "granitemoe") and "moe_intermediate_size" not in kw and "intermediate_size" in kw:
         fields["moe_intermediate_size"] = kw["intermediate_size"]  # Mixtral's experts are intermediate_size wide
     return ModelConfig(**fields)

@@ -1,18 +1,20 @@
-"""The sparse mixture-of-experts block of the Qwen3-MoE, Mixtral, gpt-oss, GLM-4.5 and Qwen2-MoE layouts, plain
-PyTorch.
+"""The sparse mixture-of-experts block of the Qwen3-MoE, Mixtral, gpt-oss, GLM-4.5, Qwen2-MoE and GraniteMoE layouts,
+plain PyTorch.
 
 Module and parameter names equal transformers 5's in-memory ones (``mlp.gate.weight`` [E, D],
 ``mlp.experts.gate_up_proj`` [E, 2I, D], ``mlp.experts.down_proj`` [E, D, I]), for every layout;
-``hf_io`` maps them to and from the per-expert names checkpoints store on disk (``expert_names``), and
+``hf_io`` maps them to and from the per-expert names checkpoints store on disk (``expert_names``; GraniteMoE's
+fused ``block_sparse_moe.input_linear`` / ``output_linear`` and ``router.layer``, renamed whole), and
 ``gpt_oss`` to gpt-oss's fused, interleaved ones (its router ``mlp.router``; biases on the router and the
 experts, a clamped SwiGLU: ``ExpertGLU``). Qwen2-MoE adds a shared expert every token goes through
 (``mlp.shared_expert``, a dense SwiGLU MLP the decoder builds and hands in) scaled by
 ``sigmoid(mlp.shared_expert_gate(x))`` ([1, D], no bias), added to the routed experts' sum.
 
 Routing as transformers does it: softmax over the router logits in fp32, top-k, optionally
-renormalised (``norm_topk_prob``; Mixtral always), cast to the activations' dtype. GLM-4.5's router
-(``SigmoidRouter``) scores by a sigmoid and chooses within groups by a bias; its shared experts
-(``SharedExperts``, ``mlp.shared_experts``) add to the routed output. The experts run
+renormalised (``norm_topk_prob``; Mixtral, gpt-oss and GraniteMoE always: the latter two's softmax over
+the top-k logits is that), cast to the activations' dtype. GLM-4.5's router (``SigmoidRouter``) scores by a
+sigmoid and chooses within groups by a bias; its shared experts (``SharedExperts``, ``mlp.shared_experts``) add
+to the routed output. The experts run
 grouped (``grouped_experts``): the T·k (token, expert) pairs sorted by expert, then one GEMM per
 expert over its contiguous rows, and one scatter-add back, instead of a pass over every token per expert.
 
@@ -41,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from areno.models.config import GPT_OSS, ModelConfig
+from areno.models.config import GPT_OSS, GRANITEMOE, ModelConfig
 
 ExpertDispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(x [T, D], expert ids [T, K], weights [T, K], this rank's gate_up, this rank's down) -> [T, D]:
@@ -649,9 +651,17 @@ def _per_sequence(
 def expert_names(config: ModelConfig, layer_idx: int) -> dict[str, list[tuple[str, int, slice]]]:
     """For one sparse layer: in-memory fused name -> [(on-disk per-expert name, expert, rows of the
     fused tensor's dim 1)], as transformers saves them (Qwen3-MoE: ``mlp.experts.{e}.gate_proj``,
-    Mixtral: ``block_sparse_moe.experts.{e}.w1`` (gate), ``w3`` (up), ``w2`` (down))."""
+    Mixtral: ``block_sparse_moe.experts.{e}.w1`` (gate), ``w3`` (up), ``w2`` (down)); GraniteMoE stores
+    them fused as held, renamed (expert -1: the whole tensor): ``block_sparse_moe.input_linear`` [E, 2I, D]
+    (its first I rows the gate, as transformers chunks it) and ``output_linear`` [E, D, I]."""
     i = config.moe_intermediate_size
     prefix = f"model.layers.{layer_idx}."
+    if config.architecture == GRANITEMOE:
+        disk = f"{prefix}block_sparse_moe"
+        return {
+            f"{prefix}mlp.experts.gate_up_proj": [(f"{disk}.input_linear.weight", -1, slice(None))],
+            f"{prefix}mlp.experts.down_proj": [(f"{disk}.output_linear.weight", -1, slice(None))],
+        }
     if config.architecture == "MixtralForCausalLM":
         disk, gate, up, down = f"{prefix}block_sparse_moe.experts", "w1", "w3", "w2"
     else:
@@ -671,7 +681,10 @@ def expert_names(config: ModelConfig, layer_idx: int) -> dict[str, list[tuple[st
 
 
 def router_disk_name(config: ModelConfig, layer_idx: int) -> str:
-    """The router's on-disk name (Mixtral keeps it under ``block_sparse_moe``)."""
+    """The router's on-disk name (Mixtral keeps it under ``block_sparse_moe``, GraniteMoE as
+    ``block_sparse_moe.router.layer``)."""
+    if config.architecture == GRANITEMOE:
+        return f"model.layers.{layer_idx}.block_sparse_moe.router.layer.weight"
     block = "block_sparse_moe" if config.architecture == "MixtralForCausalLM" else "mlp"
     return f"model.layers.{layer_idx}.{block}.gate.weight"
 
@@ -694,7 +707,8 @@ def disk_to_memory(config: ModelConfig) -> dict[str, tuple[str, int, slice]]:
 
 def to_disk_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A decoder state dict with each fused expert tensor split into transformers' per-expert
-    on-disk names (and Mixtral's router renamed); dense tensors unchanged, order kept."""
+    on-disk names (GraniteMoE's renamed whole; Mixtral's and GraniteMoE's routers renamed); dense tensors
+    unchanged, order kept."""
     mapping = disk_to_memory(config)
     by_memory: dict[str, list[tuple[str, int, slice]]] = {}
     for disk, (mem, e, rows) in mapping.items():

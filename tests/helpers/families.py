@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -147,3 +148,23 @@ def assert_gradients_match(model, ref: torch.nn.Module, names: list[str]) -> Non
         g, r = ours_params[name].grad, ref_params[name].grad
         assert r.abs().max() > 0, name
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5 * max(1.0, r.abs().max().item()), msg=name)
+
+
+def assert_server_rollouts_refused(tmp_path, monkeypatch, backend: str, arch: str, match: str) -> None:
+    """A run of a tiny ``arch`` checkpoint with ``rollout.backend=backend`` (vllm, sglang) stops with the
+    one-line error ``match`` before any server starts."""
+    from areno.api.config import load_config
+    from areno.engine.seams import SideSetup
+    from areno.engine.servers import ServerRolloutSide
+    from areno.models import tiny_config
+
+    monkeypatch.setattr("areno.engine.servers.check_server_install", lambda backend: None)
+    started = []
+    monkeypatch.setattr("areno.engine.servers.start_servers", lambda *a, **k: started.append(a))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(tiny_config(VOCAB, arch=arch).to_hf()))
+    cfg = load_config(None, [f"model.path={model}", f"run_dir={tmp_path / 'run'}", f"rollout.backend={backend}"])
+    with pytest.raises(ValueError, match=match):
+        ServerRolloutSide(cfg, tmp_path / "run").start(SideSetup(recipe=None, model_dir=model, tokenizer=None))
+    assert not started

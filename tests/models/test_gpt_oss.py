@@ -22,6 +22,7 @@ from areno.models.logprobs import packed_logprobs
 from tests.helpers.families import (
     assert_engine_decodes_as_recompute,
     assert_export_reads_back,
+    assert_server_rollouts_refused,
     grpo_learns_and_exports,
     packed_batch,
     reference_logprobs,
@@ -263,17 +264,6 @@ def _meta_model(config):
 
 @pytest.mark.parametrize("backend", ["vllm", "sglang"])
 def test_server_rollouts_refuse_it_before_any_server_starts(tmp_path, monkeypatch, backend):
-    from areno.api.config import load_config
-    from areno.engine.seams import SideSetup
-    from areno.engine.servers import ServerRolloutSide
-
-    monkeypatch.setattr("areno.engine.servers.check_server_install", lambda backend: None)
-    started = []
-    monkeypatch.setattr("areno.engine.servers.start_servers", lambda *a, **k: started.append(a))
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(tiny_config(61, arch="gpt_oss").to_hf()))
-    cfg = load_config(None, [f"model.path={model}", f"run_dir={tmp_path / 'run'}", f"rollout.backend={backend}"])
-    with pytest.raises(ValueError, match=f"^rollout.backend={backend}: .* is a gpt-oss checkpoint"):
-        ServerRolloutSide(cfg, tmp_path / "run").start(SideSetup(recipe=None, model_dir=model, tokenizer=None))
-    assert not started
+    assert_server_rollouts_refused(
+        tmp_path, monkeypatch, backend, "gpt_oss", f"^rollout.backend={backend}: .* is a gpt-oss checkpoint"
+    )

@@ -45,6 +45,7 @@ def _ref_logprobs(ref, seqs):
         "gpt_oss",
         "glm4_moe",
         "qwen2_moe",
+        "granitemoe",
     ],
 )
 def test_bf16_logprob_parity_with_transformers(arch, tmp_path):

@@ -91,7 +91,8 @@ PHI4_MINI_ROPE = {
 # in float32, biases on every projection; exaone4: a 6-key window in layer 0, layer 1 in full without RoPE (its
 # q/k norms still applied), post-block norms in the model dtype; glm4_moe: the float32 sigmoid router's group
 # choice and the shared expert in CUDA graphs; qwen2_moe: routed experts and the gated shared expert (its gate/up
-# fused) in CUDA graphs
+# fused) in CUDA graphs; granitemoe: granite's multipliers around expert blocks in every layer (the grouped GEMMs
+# in CUDA graphs)
 @pytest.mark.parametrize(
     "arch",
     [
@@ -109,6 +110,7 @@ PHI4_MINI_ROPE = {
         "exaone4",
         "glm4_moe",
         "qwen2_moe",
+        "granitemoe",
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
