@@ -53,6 +53,7 @@ _TINY_ARCHS = {
     "granite": "GraniteForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 _TINY_NORM_LAYOUTS = {
     "olmo2": "post",
@@ -588,8 +589,10 @@ def tiny_config(
     ministral3 (queries scaled by position every 8 positions), granite (Llama's layers with Granite's
     multipliers as its released models set them: embeddings times 12, scores scaled by 1 / head_dim, block outputs
     times 0.22, logits divided by 8), smollm3 (no RoPE in layers 3, 7, ...), qwen3_moe,
-    mixtral (4 experts, top-2, each half the dense MLP's width) or gpt_oss (those experts with biases and the
-    clamped SwiGLU, attention biases and sinks, a 16-token window in every other layer from the first). ``kw`` overrides any other ModelConfig field
+    mixtral (4 experts, top-2, each half the dense MLP's width), gpt_oss (those experts with biases and the
+    clamped SwiGLU, attention biases and sinks, a 16-token window in every other layer from the first) or olmoe
+    (Llama's layers with q/k norms over the whole projections, 4 experts of hidden_size's width, top-2, not
+    renormalised; no clamp of q, k and v unless ``clip_qkv`` is given). ``kw`` overrides any other ModelConfig field
     (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``). Token ids default to the char
     tokenizer's (pad 0, bos 1, eos 2).
     """
@@ -611,8 +614,8 @@ def tiny_config(
         max_position_embeddings=2048,
         attention_bias=qkv_bias,
         attention_out_bias=arch == "gpt_oss",
-        qk_norm=arch in ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3", "exaone4"),
-        qk_norm_scope="projection" if arch in ("olmo2", "olmo3") else "head",
+        qk_norm=arch in ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3", "exaone4", "olmoe"),
+        qk_norm_scope="projection" if arch in ("olmo2", "olmo3", "olmoe") else "head",
         norm_layout=_TINY_NORM_LAYOUTS.get(arch, "pre"),
         architecture=architecture,
         model_type=SUPPORTED_ARCHITECTURES[architecture],
@@ -643,11 +646,12 @@ def tiny_config(
         fields.update(attention_bias=True, attention_out_bias=True, mlp_bias=True)
     if arch == "smollm3":
         fields["nope_layers"] = tuple(i for i in range(layers) if (i + 1) % 4 == 0)
-    if arch in ("qwen3_moe", "mixtral", "gpt_oss"):
+    if arch in ("qwen3_moe", "mixtral", "gpt_oss", "olmoe"):
         fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size)
         fields["norm_topk_prob"] = arch in ("mixtral", "gpt_oss")
-    if arch == "gpt_oss":
+    if arch in ("gpt_oss", "olmoe"):
         fields["intermediate_size"] = hidden_size  # one width, the experts' (config.json has no other)
+    if arch == "gpt_oss":
         fields.update(attention_sinks=True, expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)
         fields.update(sliding_window=16, window_layers=tuple(range(0, layers, 2)))
         # transformers 5 gives every gpt-oss YaRN; over 64 original positions, short sequences pass them
@@ -658,6 +662,6 @@ def tiny_config(
         window, window_layers = fields.get("sliding_window"), fields.get("window_layers")
         full = [i for i in range(layers) if window_layers is not None and i not in window_layers]
         fields["nope_layers"] = tuple(full) if window is not None else ()
-    if arch in ("mixtral", "gpt_oss") and "moe_intermediate_size" not in kw and "intermediate_size" in kw:
+    if arch in ("mixtral", "gpt_oss", "olmoe") and "moe_intermediate_size" not in kw and "intermediate_size" in kw:
         fields["moe_intermediate_size"] = kw["intermediate_size"]  # Mixtral's experts are intermediate_size wide
     return ModelConfig(**fields)

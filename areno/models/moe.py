@@ -1,4 +1,4 @@
-"""The sparse mixture-of-experts block of the Qwen3-MoE, Mixtral and gpt-oss layouts, plain PyTorch.
+"""The sparse mixture-of-experts block of the Qwen3-MoE, Mixtral, gpt-oss and OLMoE layouts, plain PyTorch.
 
 Module and parameter names equal transformers 5's in-memory ones (``mlp.gate.weight`` [E, D],
 ``mlp.experts.gate_up_proj`` [E, 2I, D], ``mlp.experts.down_proj`` [E, D, I]), for every layout;
@@ -532,7 +532,7 @@ def _per_sequence(
 # ------------------------------------------------------------------------------ checkpoint names
 def expert_names(config: ModelConfig, layer_idx: int) -> dict[str, list[tuple[str, int, slice]]]:
     """For one sparse layer: in-memory fused name -> [(on-disk per-expert name, expert, rows of the
-    fused tensor's dim 1)], as transformers saves them (Qwen3-MoE: ``mlp.experts.{e}.gate_proj``,
+    fused tensor's dim 1)], as transformers saves them (Qwen3-MoE, OLMoE: ``mlp.experts.{e}.gate_proj``,
     Mixtral: ``block_sparse_moe.experts.{e}.w1`` (gate), ``w3`` (up), ``w2`` (down))."""
     i = config.moe_intermediate_size
     prefix = f"model.layers.{layer_idx}."

@@ -246,7 +246,8 @@ def test_config_errors_are_one_line():
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         tiny_config(VOCAB, arch="qwen3_moe", num_experts_per_tok=5)
     with pytest.raises(
-        ValueError, match="only Qwen3MoeForCausalLM, MixtralForCausalLM, GptOssForCausalLM have experts"
+        ValueError,
+        match="only Qwen3MoeForCausalLM, MixtralForCausalLM, GptOssForCausalLM, OlmoeForCausalLM have experts",
     ):
         tiny_config(VOCAB, arch="qwen2", num_experts=4)
     with pytest.raises(ValueError, match="norm_topk_prob=True"):

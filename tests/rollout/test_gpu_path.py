@@ -89,7 +89,8 @@ PHI4_MINI_ROPE = {
 # in layer 0; granite: scaled embeddings, scores (q scaled: past the fused RoPE + KV kernel), block outputs (scaled
 # before the fused add + norm, no split-K MLP partials) and logits; ernie4_5: adjacent pairs of whole heads turned
 # in float32, biases on every projection; exaone4: a 6-key window in layer 0, layer 1 in full without RoPE (its
-# q/k norms still applied), post-block norms in the model dtype
+# q/k norms still applied), post-block norms in the model dtype; olmoe: experts in every layer, q, k and v clamped
+# after q/k norms over the whole projections
 @pytest.mark.parametrize(
     "arch",
     [
@@ -105,6 +106,7 @@ PHI4_MINI_ROPE = {
         "granite",
         "ernie4_5",
         "exaone4",
+        "olmoe",
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -115,6 +117,8 @@ def test_cuda_graphs_match_eager_on_gpu(dtype, arch):
     kw = {"arch": arch, "sliding_window": 6} if arch in windowed else {"arch": arch}
     if arch == "phi4_mini":
         kw = {"arch": "phi3", "partial_rotary_factor": 0.75, "rope_scaling": PHI4_MINI_ROPE}
+    if arch == "olmoe":  # a clamp that bites q (normed: about N(0, 1)) and v
+        kw["clip_qkv"] = 1.0
     model, cfg = make_model(0, **kw)
     model = model.to(device="cuda", dtype=dtype)
     prompts = random_prompts(11, seed=40)
