@@ -219,6 +219,38 @@ def test_the_engines_sampled_logprobs_are_the_trainers(tmp_path):
     assert_sampled_logprobs_are_the_trainers(*load_model(tmp_path))
 
 
+def test_the_engines_recorded_routes_replay_in_training(tmp_path):
+    """The engine records each token's top-k experts in every layer (``record_routes``), equal to the trainer model's
+    own; replayed in a training forward (``replay_routes``) they give its own hidden states, other routes move them,
+    and the router keeps its gradient."""
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+    from areno.types import SamplingParams
+
+    _saved(tmp_path, clip_qkv=CLIP)
+    model, config = load_model(tmp_path)
+    engine_model, _ = load_model(tmp_path)
+    engine = RolloutEngine(
+        engine_model, config, config=RolloutEngineConfig(num_blocks=64, block_size=4, record_routes=True)
+    )
+    out = engine.generate([[5, 9, 17, 30, 41, 7]], SamplingParams(temperature=1.0, max_new_tokens=6, seed=1))[0]
+    ids_T = torch.tensor(out.prompt_ids + out.output_ids)
+    pos_T = torch.arange(len(ids_T))
+    routes_TLK = out.routes_TLK[:-1].long()  # the last sampled token had no forward
+    assert routes_TLK.shape == (len(ids_T) - 1, config.num_hidden_layers, config.num_experts_per_tok)
+    with torch.no_grad(), moe.record_routing(model) as record:
+        own_TD = model(ids_T[:-1], pos_T[:-1])
+    assert torch.equal(record.stacked(), routes_TLK)
+    model.train()
+    with moe.replay_routes(model, routes_TLK):
+        replayed_TD = model(ids_T[:-1], pos_T[:-1])
+    torch.testing.assert_close(replayed_TD, own_TD, rtol=1e-5, atol=1e-5)
+    with moe.replay_routes(model, (routes_TLK + 1) % config.num_experts):
+        other_TD = model(ids_T[:-1], pos_T[:-1])
+    assert (other_TD - own_TD).abs().max() > 1e-2
+    other_TD.sum().backward()
+    assert model.model.layers[1].mlp.gate.weight.grad.abs().sum() > 0
+
+
 # ---------------------------------------------------------------------------------------- config, training
 
 RELEASED = {
