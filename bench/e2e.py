@@ -180,6 +180,20 @@ CPU5M_EXAONE4 = {
     "sliding_window": 64,
     "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
 }
+# and in OLMoE's (q/k norms over the whole projections, pre-block norms; in place of each dense MLP 8 experts a
+# ninth of its width apiece, top 2 not renormalised: the same parameter count, a quarter of the MLP's active a token)
+CPU5M_OLMOE = {
+    **CPU5M,
+    "architectures": ["OlmoeForCausalLM"],
+    "model_type": "olmoe",
+    "head_dim": 64,
+    "intermediate_size": 96,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": False,
+    "attention_bias": False,
+    "clip_qkv": None,
+}
 # and in Phi-4-mini's (three quarters of each head turned, by LongRoPE's short factors within 4,096 positions)
 _SHORT = [1.0 + 0.05 * i for i in range(24)]
 CPU5M_PHI4_MINI = {
@@ -210,6 +224,7 @@ SHAPES = {
     "cpu5m-phi4mini": (CPU5M_PHI4_MINI, 34, 128),
     "cpu5m-ernie45": (CPU5M_ERNIE45, 34, 128),
     "cpu5m-exaone4": (CPU5M_EXAONE4, 34, 128),
+    "cpu5m-olmoe": (CPU5M_OLMOE, 34, 128),
 }
 SYSTEMS = (
     "areno",
@@ -832,7 +847,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shapes",
         default=None,
-        help="comma list of 0.5b,1.5b,olmo2-1b,gemma3-1b,tiny,cpu12m,cpu5m,cpu5m-olmo2,cpu5m-gemma3,cpu5m-gemma2,cpu5m-glm4,cpu5m-granite,cpu5m-phi4mini,cpu5m-ernie45,cpu5m-exaone4 (default: 0.5b,1.5b on CUDA, tiny on CPU)",
+        help="comma list of 0.5b,1.5b,olmo2-1b,gemma3-1b,tiny,cpu12m,cpu5m,cpu5m-olmo2,cpu5m-gemma3,cpu5m-gemma2,cpu5m-glm4,cpu5m-granite,cpu5m-phi4mini,cpu5m-ernie45,cpu5m-exaone4,cpu5m-olmoe (default: 0.5b,1.5b on CUDA, tiny on CPU)",
     )
     p.add_argument("--systems", default="areno,areno_async,trl", help=f"comma list of {','.join(SYSTEMS)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system")
