@@ -240,6 +240,20 @@ CPU5M_GRANITEMOE = {
     "num_local_experts": 8,
     "num_experts_per_tok": 2,
 }
+# and in OLMoE's (q/k norms over the whole projections, pre-block norms; in place of each dense MLP 8 experts a
+# ninth of its width apiece, top 2 not renormalised: the same parameter count, a quarter of the MLP's active a token)
+CPU5M_OLMOE = {
+    **CPU5M,
+    "architectures": ["OlmoeForCausalLM"],
+    "model_type": "olmoe",
+    "head_dim": 64,
+    "intermediate_size": 96,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": False,
+    "attention_bias": False,
+    "clip_qkv": None,
+}
 # and in Phi-4-mini's (three quarters of each head turned, by LongRoPE's short factors within 4,096 positions)
 _SHORT = [1.0 + 0.05 * i for i in range(24)]
 CPU5M_PHI4_MINI = {
@@ -274,6 +288,7 @@ SHAPES = {
     "cpu5m-glm4moe": (CPU5M_GLM4_MOE, 34, 128),
     "cpu5m-qwen2moe": (CPU5M_QWEN2MOE, 34, 128),
     "cpu5m-granitemoe": (CPU5M_GRANITEMOE, 34, 128),
+    "cpu5m-olmoe": (CPU5M_OLMOE, 34, 128),
 }
 SYSTEMS = (
     "areno",

@@ -114,6 +114,30 @@ CPU_GPT_OSS = {
     "eos_token_id": 2,
     "pad_token_id": 0,
 }
+# OLMoE-1B-7B-0924's config.json (shape only; weights are random): 6.9B parameters, 1.3B of them active a token
+# (16 layers of width 2048, 64 experts of width 1024 a layer, top 8, q/k norms over the whole projections).
+OLMOE_1B_7B = {
+    "architectures": ["OlmoeForCausalLM"],
+    "model_type": "olmoe",
+    "hidden_size": 2048,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": False,
+    "clip_qkv": None,
+    "attention_bias": False,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 50304,
+    "hidden_act": "silu",
+    "pad_token_id": 1,
+    "eos_token_id": 50279,
+}
 # A smoke-test size (the bench's own tests): seconds, not a figure.
 TINY = {
     **CPU_20M,
@@ -134,6 +158,7 @@ SHAPES = {
     "glm4-9b": (GLM4_9B, 64, 512),
     "gemma3-1b": (GEMMA3_1B, 64, 512),
     "gpt-oss-20b": (GPT_OSS_20B, 64, 512),
+    "olmoe-1b-7b": (OLMOE_1B_7B, 64, 512),
     "cpu-gpt-oss": (CPU_GPT_OSS, 32, 128),
     "tiny": (TINY, 4, 8),
 }

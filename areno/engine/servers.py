@@ -44,7 +44,7 @@ from areno.launch.servers import (
     free_ports,
     start_servers,
 )
-from areno.models.config import ModelConfig
+from areno.models.config import OLMOE, ModelConfig
 from areno.models.hf_io import read_config
 from areno.rollout.backends.admin import ServerAdmin, admin_for
 from areno.rollout.backends.base import StreamActivity
@@ -69,6 +69,22 @@ STREAM_QUIET_S = 0.3
 version moves on, so that tokens generated under the old policy are read and stamped with it."""
 STREAM_DRAIN_CAP_S = 10.0
 """The longest that wait lasts (a stream still receiving then is a server that did not pause)."""
+
+
+def server_ignored_olmoe_keys(model_config: dict) -> list[str]:
+    """The keys of an OLMoE ``config.json`` (as ``key=value``) that vLLM's and SGLang's OLMoE ignore, where they
+    change what transformers computes: ``clip_qkv``, ``attention_bias``, ``rms_norm_eps`` other than 1e-5 and
+    ``norm_topk_prob`` (the released OLMoE checkpoints set none of them); empty for another model."""
+    if (model_config.get("architectures") or [None])[0] != OLMOE:
+        return []
+    config = ModelConfig.from_hf(model_config)
+    ignored = {
+        "clip_qkv": config.clip_qkv is not None,
+        "attention_bias": config.attention_bias,
+        "rms_norm_eps": config.rms_norm_eps != 1e-5,
+        "norm_topk_prob": config.norm_topk_prob,
+    }
+    return [f"{key}={getattr(config, key)}" for key, differs in ignored.items() if differs]
 
 
 class ServerRolloutSide(RolloutSide):
@@ -143,6 +159,13 @@ class ServerRolloutSide(RolloutSide):
                 f"rollout.backend={self.backend}: {setup.model_dir} is a Qwen2-MoE checkpoint with qkv_bias=false, "
                 "which vLLM's Qwen2-MoE builds with q/k/v biases all the same (no released one sets it): use "
                 "rollout.backend=areno"
+            )
+        ignored = server_ignored_olmoe_keys(model_config)
+        if ignored:
+            raise ConfigError(
+                f"rollout.backend={self.backend}: {setup.model_dir} is an OLMoE checkpoint with {', '.join(ignored)}, "
+                f"which {self.backend}'s OLMoE does not compute as transformers does (it clamps nothing, builds no "
+                "attention bias, norms with eps 1e-5 and never renormalises the top-k weights): use rollout.backend=areno"
             )
         if cfg.servers:
             self.urls = [u.rstrip("/") for u in cfg.servers]

@@ -30,6 +30,10 @@ Supported architectures (``architectures[0]`` in ``config.json``) and what sets 
   each block's norm on its output, before the residual add (``norm_layout="post"``); optional q/k/v/o bias.
 - ``Olmo3ForCausalLM``   OLMo 2's layers with a sliding window in some layers (``window_layers``) and a RoPE
   per layer type (``window_rope``: the long-context scaling on the full-attention layers only).
+- ``OlmoeForCausalLM``   (OLMoE) Llama's pre-norm layers (every norm in the model dtype) with OLMo 2's q/k norms
+  over the whole projections, q, k and v optionally clamped after them (``clip_qkv``), q/k/v/o biased or not
+  together; an expert block in every layer, of ``intermediate_size``-wide experts, top-k weights renormalised
+  only with ``norm_topk_prob``; its transformers class computes no router z-loss, nor does areno.
 - ``Gemma3ForCausalLM``  (Gemma 3's text model) norms before and after each block (``norm_layout="sandwich"``)
   whose weights are offsets from 1 (``norm_weight_offset``), Qwen3's q/k norms, embeddings scaled by
   sqrt(hidden_size), the tanh GELU, ``query_pre_attn_scalar``, windows in five layers of six with their
@@ -104,6 +108,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Glm4MoeForCausalLM": "glm4_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "GraniteMoeForCausalLM": "granitemoe",
+    "OlmoeForCausalLM": "olmoe",
 }
 SEQUENCE_CLASSIFIER_SUFFIX = "ForSequenceClassification"
 """transformers' scalar-head layout (``score.weight`` [num_labels, hidden] on the decoder, no LM
@@ -122,7 +127,8 @@ GPT_OSS = "GptOssForCausalLM"
 GLM4_MOE = "Glm4MoeForCausalLM"
 QWEN2_MOE = "Qwen2MoeForCausalLM"
 GRANITEMOE = "GraniteMoeForCausalLM"
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", GPT_OSS, GLM4_MOE, QWEN2_MOE, GRANITEMOE)
+OLMOE = "OlmoeForCausalLM"
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", GPT_OSS, GLM4_MOE, QWEN2_MOE, GRANITEMOE, OLMOE)
 WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "Ministral3ForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 """The layouts transformers gives one sliding window in every layer (``sliding_window`` in config.json)."""
 EXAONE4 = "Exaone4ForCausalLM"
@@ -142,6 +148,8 @@ LAYER_TYPE_ARCHITECTURES = (
 ``use_sliding_window`` + ``max_window_layers``)."""
 OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 """OLMo 2's layout (q/k norms over the projections, norms after each block); OLMo 3 adds windows."""
+PROJECTION_QK_NORM_ARCHITECTURES = (*OLMO_ARCHITECTURES, OLMOE)
+"""The layouts whose q/k norms read the whole q and k projections (``qk_norm_scope="projection"``)."""
 GEMMA3 = "Gemma3ForCausalLM"
 GEMMA2 = "Gemma2ForCausalLM"
 GEMMA_ARCHITECTURES = (GEMMA2, GEMMA3)
@@ -160,7 +168,7 @@ GRANITE_ARCHITECTURES = (GRANITE, GRANITEMOE)
 """Granite 3's layouts, dense and mixture-of-experts: its four multipliers."""
 LLAMA_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "SmolLM3ForCausalLM", GRANITE)
 """The layouts whose transformers class reads Llama's ``mlp_bias`` (Ernie 4.5 reads ``use_bias``)."""
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *OLMO_ARCHITECTURES, GEMMA3, EXAONE4)
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *PROJECTION_QK_NORM_ARCHITECTURES, GEMMA3, EXAONE4)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,7 +223,9 @@ class ModelConfig:
     """RMSNorm on q and k before RoPE (Qwen3, OLMo 2), over ``qk_norm_scope``."""
     qk_norm_scope: str = "head"
     """What the q/k norms normalise: ``head`` (each head's Dh, weights [Dh]: Qwen3) or ``projection`` (the
-    whole q and k projections, weights [Hq*Dh] and [Hkv*Dh]: OLMo 2)."""
+    whole q and k projections, weights [Hq*Dh] and [Hkv*Dh]: OLMo 2, OLMoE)."""
+    clip_qkv: float | None = None
+    """OLMoE's clamp of q, k and v to [-clip_qkv, clip_qkv], after the q/k norms and before RoPE; None: none."""
     norm_layout: str = "pre"
     """``pre``: each block reads a normed input (``input_layernorm``, ``post_attention_layernorm``: Llama);
     ``post``: each block's output is normed before its residual add (``post_attention_layernorm``,
@@ -376,7 +386,7 @@ class ModelConfig:
         self._check_arch_flags()
         self._check_moe()
         self._check_gpt_oss()
-        self._check_softcaps()
+        self._check_bounds()
         self._check_multipliers()
         if self.rope_scaling is not None:
             object.__setattr__(self, "rope_scaling", _normalized_scaling(self.rope_scaling))
@@ -428,6 +438,7 @@ class ModelConfig:
             )
         layouts = {
             **dict.fromkeys(OLMO_ARCHITECTURES, ("projection", "post")),
+            OLMOE: ("projection", "pre"),
             GEMMA2: ("head", "sandwich"),
             GEMMA3: ("head", "sandwich"),
             GLM4: ("head", "sandwich"),
@@ -467,6 +478,7 @@ class ModelConfig:
                 GRANITE,
                 ERNIE4_5,
                 GRANITEMOE,
+                OLMOE,
             )
             and self.attention_bias != self.attention_out_bias
         ):
@@ -475,6 +487,12 @@ class ModelConfig:
             self.attention_bias or self.attention_out_bias
         ):
             raise ValueError(f"{arch} has no attention bias")
+        if arch == OLMOE and self.head_dim * self.num_attention_heads != self.hidden_size:
+            # transformers 5 sizes q_norm by hidden_size and 4.x derives head_dim from it: no other head_dim builds
+            raise ValueError(
+                f"{arch} sizes its q norm by hidden_size={self.hidden_size}: head_dim={self.head_dim} x "
+                f"num_attention_heads={self.num_attention_heads} must equal it"
+            )
         if arch in (GLM4, GLM4_MOE) and self.attention_out_bias:
             raise ValueError(f"{arch} has no o_proj bias (attention_bias is its q/k/v's)")
         if self.rope_interleaved != (arch in (GLM4, ERNIE4_5)):
@@ -639,6 +657,8 @@ class ModelConfig:
                 f"{arch} renormalises top-k weights in every layer: norm_topk_prob=True, "
                 "decoder_sparse_step=1, mlp_only_layers=()"
             )
+        if arch == OLMOE and (self.decoder_sparse_step != 1 or self.mlp_only_layers):
+            raise ValueError(f"{arch} has experts in every layer: decoder_sparse_step=1, mlp_only_layers=()")
         self._check_sigmoid_router()
 
     def _check_sigmoid_router(self) -> None:
@@ -712,20 +732,19 @@ class ModelConfig:
                 f"not {ours} for {self.architecture}"
             )
 
-    def _check_softcaps(self) -> None:
-        """The soft-caps are Gemma 2's (transformers' Gemma 3 reads them too, but its vision-language class skips
-        the final one, and no released Gemma 3 sets them: areno refuses them there), positive floats."""
-        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-            cap = getattr(self, name)
-            if cap is None:
+    def _check_bounds(self) -> None:
+        """The optional bounds, positive floats, each on its family only: the soft-caps are Gemma 2's
+        (transformers' Gemma 3 reads them too, but its vision-language class skips the final one, and no released
+        Gemma 3 sets them: areno refuses them there), ``clip_qkv`` OLMoE's."""
+        for name, (arch, what) in _BOUNDS.items():
+            bound = getattr(self, name)
+            if bound is None:
                 continue
-            if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive float or None, got {cap!r}")
-            object.__setattr__(self, name, float(cap))
-            if self.architecture != GEMMA2:
-                raise ValueError(
-                    f"{name}={cap} is only expressible for {GEMMA2} (Gemma 2's soft-capping), not {self.architecture}"
-                )
+            if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not math.isfinite(bound) or bound <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive float or None, got {bound!r}")
+            object.__setattr__(self, name, float(bound))
+            if self.architecture != arch:
+                raise ValueError(f"{name}={bound} is only expressible for {arch} ({what}), not {self.architecture}")
 
     def _check_multipliers(self) -> None:
         """Granite's four scalars: positive finite floats, other than their defaults only for Granite."""
@@ -947,7 +966,8 @@ class ModelConfig:
             mlp_bias=_read_mlp_bias(arch, d),
             nope_layers=_nope_layers(arch, d),
             qk_norm=bool(d.get("use_qk_norm")) if arch == GLM4_MOE else arch in QK_NORM_ARCHITECTURES,
-            qk_norm_scope="projection" if arch in OLMO_ARCHITECTURES else "head",
+            qk_norm_scope="projection" if arch in PROJECTION_QK_NORM_ARCHITECTURES else "head",
+            clip_qkv=d.get("clip_qkv") if arch == OLMOE else None,
             norm_layout=_norm_layout(arch),
             **(_gemma_fields(arch, d) if arch in GEMMA_ARCHITECTURES else {}),
             **(_granite_fields(d) if arch in GRANITE_ARCHITECTURES else {}),
@@ -1004,6 +1024,7 @@ class ModelConfig:
             GRANITE,
             GLM4_MOE,
             GRANITEMOE,
+            OLMOE,
         ):
             d["attention_bias"] = self.attention_bias
         if self.architecture in LLAMA_BIAS_ARCHITECTURES:
@@ -1102,6 +1123,13 @@ class ModelConfig:
             d["router_jitter_noise"] = 0.0
         if self.architecture == GRANITEMOE:  # its experts are intermediate_size wide; it has no dense MLP
             d.update(num_local_experts=self.num_experts, intermediate_size=self.moe_intermediate_size)
+        if self.architecture == OLMOE:  # its experts are intermediate_size wide, as Mixtral's
+            d.update(
+                num_experts=self.num_experts,
+                intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                clip_qkv=self.clip_qkv,
+            )
         if self.architecture == GPT_OSS:
             d.update(
                 num_local_experts=self.num_experts,
@@ -1143,6 +1171,14 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+_BOUNDS: dict[str, tuple[str, str]] = {
+    "attn_logit_softcapping": (GEMMA2, "Gemma 2's soft-capping"),
+    "final_logit_softcapping": (GEMMA2, "Gemma 2's soft-capping"),
+    "clip_qkv": (OLMOE, "OLMoE's clamp of q, k and v"),
+}
+"""The optional positive bounds of ``ModelConfig``: field -> (the one architecture that has it, what it is)."""
 
 
 def _rope_per_type(config: ModelConfig) -> dict[str, Any]:
@@ -1267,6 +1303,13 @@ def _read_moe(arch: str, d: dict[str, Any]) -> dict[str, Any]:
             norm_topk_prob=True,
             **common,
         )
+    if arch == OLMOE:
+        return dict(
+            num_experts=d.get("num_experts") or d.get("num_local_experts") or 64,  # its class's default: 64
+            moe_intermediate_size=d["intermediate_size"],
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            **common,
+        )
     if arch == "MixtralForCausalLM":
         if d.get("router_jitter_noise"):
             raise ValueError(
@@ -1363,6 +1406,11 @@ HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
                 "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                  "truncate": False, "original_max_position_embeddings": 4096},
                 "rope_theta": 150000.0},
+    "olmoe": {**_COMMON, "rms_norm_eps": 1e-5, "vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 2048,
+              "num_hidden_layers": 16, "num_attention_heads": 16, "max_position_embeddings": 4096,
+              "attention_bias": False, "pad_token_id": 1, "eos_token_id": 50279, "clip_qkv": None,
+              "num_experts_per_tok": 8, "norm_topk_prob": False, "router_aux_loss_coef": 0.01,
+              "output_router_logits": False, "rope_theta": 1e4},
     "granite": {**_COMMON, "max_position_embeddings": 2048, "attention_bias": False, "mlp_bias": False,
                 "bos_token_id": 1, "eos_token_id": 2, "embedding_multiplier": 1.0, "attention_multiplier": 1.0,
                 "residual_multiplier": 1.0, "logits_scaling": 1.0, "rope_theta": 1e4},
@@ -1432,6 +1480,13 @@ def _sliding_window(arch: str, d: dict[str, Any]) -> tuple[int | None, tuple[int
             raise ValueError(
                 f"config.json: {arch} with use_sliding_window=true or sliding_attention layer_types is not supported "
                 "(transformers 4.x and 5.x window different layers): set use_sliding_window to false"
+            )
+        return None, None
+    elif arch == OLMOE:
+        if d.get("sliding_window") is not None:  # its class passes it to the attention kernel, not to the mask
+            raise ValueError(
+                f"config.json sliding_window={d['sliding_window']} is not supported for {arch}: transformers applies "
+                "it under flash attention only (its mask and its eager and SDPA attention read none): set it to null"
             )
         return None, None
     elif arch in (GPT_OSS, GEMMA2):

@@ -2,9 +2,9 @@
 
 Module names equal the Hugging Face names (``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``,
 ``model.norm``, ``lm_head`` …), so ``Decoder.state_dict()`` *is* the HF state dict; the tied output
-projection has no ``lm_head`` module. Mixture-of-experts layers (``moe.SparseMoE``, Qwen3-MoE,
-Mixtral, gpt-oss, GLM-4.5, Qwen2-MoE, GraniteMoE) hold their experts fused as transformers 5 does in memory; ``hf_io`` maps
-them to the per-expert names checkpoints store. Qwen2-MoE's shared expert is an ``MLP`` inside the block
+projection has no ``lm_head`` module. Mixture-of-experts layers (``moe.SparseMoE``: Qwen3-MoE, Mixtral, gpt-oss,
+GLM-4.5, Qwen2-MoE, GraniteMoE, OLMoE) hold their experts fused as transformers 5 does in memory; ``hf_io`` maps them
+to the per-expert names checkpoints store. Qwen2-MoE's shared expert is an ``MLP`` inside the block
 (``mlp.shared_expert``).
 
 Inputs are packed and 1-D: ``input_ids_T`` holds all sequences concatenated and ``position_ids_T``
@@ -262,8 +262,11 @@ class Attention(nn.Module):
         """Ernie 4.5: q and k turn in float32 (by float32 tables, ``Decoder.rope_at``), rounded once after."""
         self.scaled_queries = config.query_position_scale is not None
         """Ministral 3: q turns by its own tables, the position's query scale folded in (``Decoder.rope_at``)."""
-        # Qwen3 normalises each head (weights [Dh]); OLMo 2 the whole projection, before the head split
+        # Qwen3 normalises each head (weights [Dh]); OLMo 2 and OLMoE the whole projection, before the head split
         self.qk_norm_heads = config.qk_norm and config.qk_norm_scope == "head"
+        self.clip_qkv = config.clip_qkv
+        """OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] after the q/k norms (None: not clamped). Only OLMoE
+        has it, and its norms over whole projections keep q and k off the fused paths that read the raw product."""
         if config.qk_norm:
             fp32 = config.norms_scale_in_float32  # OLMo 2's norms all scale in float32
             q_width, k_width = (dh, dh) if self.qk_norm_heads else (self.num_heads * dh, self.num_kv_heads * dh)
@@ -305,6 +308,9 @@ class Attention(nn.Module):
             )
         if hasattr(self, "q_norm") and not self.qk_norm_heads:
             q_TN, k_TN = self.q_norm(q_TN), self.k_norm(k_TN)
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q_TN, k_TN, v_TN = q_TN.clamp(-c, c), k_TN.clamp(-c, c), v_TN.clamp(-c, c)
         q_THD = q_TN.view(T, -1, self.head_dim)
         k_THD = k_TN.view(T, -1, self.head_dim)
         v_THD = v_TN.view(T, -1, self.head_dim)
@@ -523,7 +529,7 @@ class DecoderModel(nn.Module):
 
 class Decoder(nn.Module):
     """Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral / OLMo 2 / OLMo 3 / Gemma 3 / Phi-3 / SmolLM3 / gpt-oss /
-    GLM-4 / Ernie 4.5 / EXAONE 4 / Gemma 2 / Granite 3 / GLM-4.5 / Qwen2-MoE / Granite 3 MoE decoder over packed
+    GLM-4 / Ernie 4.5 / EXAONE 4 / Gemma 2 / Granite 3 / GLM-4.5 / Qwen2-MoE / Granite 3 MoE / OLMoE decoder over packed
     1-D token streams.
 
     Tensor parallelism without torch.distributed in the model: with ``tp_size > 1`` this module

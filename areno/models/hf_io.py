@@ -82,6 +82,7 @@ _TINY_ARCHS = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 _TINY_NORM_LAYOUTS = {
     "olmo2": "post",
@@ -629,9 +630,11 @@ def tiny_config(
     (GLM-4.5: a dense first layer, then 8 experts in 4 groups, top-2 from the best 2 groups by a sigmoid router
     scaled by 2.5, a shared expert, q/k/v biases and per-head q/k norms, half of each head turned by rotate-half
     RoPE), qwen2_moe (qwen3_moe's experts without q/k norms, with q/k/v biases and a gated shared expert of the
-    hidden size's width) or granitemoe (granite's multipliers around an expert block in every layer, 4 experts,
-    top-2, one width). ``kw`` overrides any other ModelConfig field (e.g. ``tie_word_embeddings=True``,
-    ``rope_scaling={...}``). Token ids default to the char tokenizer's (pad 0, bos 1, eos 2).
+    hidden size's width), granitemoe (granite's multipliers around an expert block in every layer, 4 experts,
+    top-2, one width) or olmoe (Llama's layers with q/k norms over the whole projections, 4 experts of
+    hidden_size's width, top-2, not renormalised; no clamp of q, k and v unless ``clip_qkv`` is given). ``kw``
+    overrides any other ModelConfig field (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``). Token ids
+    default to the char tokenizer's (pad 0, bos 1, eos 2).
     """
     check_tiny_arguments(
         {"arch": arch, "hidden_size": hidden_size, "layers": layers, "heads": heads, "kv_heads": kv_heads, **kw}
@@ -651,8 +654,8 @@ def tiny_config(
         max_position_embeddings=2048,
         attention_bias=qkv_bias,
         attention_out_bias=arch == "gpt_oss",
-        qk_norm=arch in ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3", "exaone4", "glm4_moe"),
-        qk_norm_scope="projection" if arch in ("olmo2", "olmo3") else "head",
+        qk_norm=arch in ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3", "exaone4", "glm4_moe", "olmoe"),
+        qk_norm_scope="projection" if arch in ("olmo2", "olmo3", "olmoe") else "head",
         norm_layout=_TINY_NORM_LAYOUTS.get(arch, "pre"),
         architecture=architecture,
         model_type=SUPPORTED_ARCHITECTURES[architecture],
@@ -683,10 +686,10 @@ def tiny_config(
         fields.update(attention_bias=True, attention_out_bias=True, mlp_bias=True)
     if arch == "smollm3":
         fields["nope_layers"] = tuple(i for i in range(layers) if (i + 1) % 4 == 0)
-    if arch in ("qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "granitemoe"):
+    if arch in ("qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "granitemoe", "olmoe"):
         fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size)
         fields["norm_topk_prob"] = arch in ("mixtral", "gpt_oss", "granitemoe")
-    if arch in ("gpt_oss", "granitemoe"):
+    if arch in ("gpt_oss", "granitemoe", "olmoe"):
         fields["intermediate_size"] = hidden_size  # one width, the experts' (config.json has no other)
     if arch == "gpt_oss":
         fields.update(attention_sinks=True, expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)
@@ -705,6 +708,10 @@ def tiny_config(
         window, window_layers = fields.get("sliding_window"), fields.get("window_layers")
         full = [i for i in range(layers) if window_layers is not None and i not in window_layers]
         fields["nope_layers"] = tuple(full) if window is not None else ()
-    if arch in ("mixtral", "gpt_oss", "granitemoe") and "moe_intermediate_size" not in kw and "intermediate_size" in kw:
+    if (
+        arch in ("mixtral", "gpt_oss", "granitemoe", "olmoe")
+        and "moe_intermediate_size" not in kw
+        and "intermediate_size" in kw
+    ):
         fields["moe_intermediate_size"] = kw["intermediate_size"]  # Mixtral's experts are intermediate_size wide
     return ModelConfig(**fields)

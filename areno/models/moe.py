@@ -1,5 +1,5 @@
-"""The sparse mixture-of-experts block of the Qwen3-MoE, Mixtral, gpt-oss, GLM-4.5, Qwen2-MoE and GraniteMoE layouts,
-plain PyTorch.
+"""The sparse mixture-of-experts block of the Qwen3-MoE, Mixtral, gpt-oss, GLM-4.5, Qwen2-MoE, GraniteMoE and OLMoE
+layouts, plain PyTorch.
 
 Module and parameter names equal transformers 5's in-memory ones (``mlp.gate.weight`` [E, D],
 ``mlp.experts.gate_up_proj`` [E, 2I, D], ``mlp.experts.down_proj`` [E, D, I]), for every layout;
@@ -650,7 +650,7 @@ def _per_sequence(
 # ------------------------------------------------------------------------------ checkpoint names
 def expert_names(config: ModelConfig, layer_idx: int) -> dict[str, list[tuple[str, int, slice]]]:
     """For one sparse layer: in-memory fused name -> [(on-disk per-expert name, expert, rows of the
-    fused tensor's dim 1)], as transformers saves them (Qwen3-MoE: ``mlp.experts.{e}.gate_proj``,
+    fused tensor's dim 1)], as transformers saves them (Qwen3-MoE, OLMoE: ``mlp.experts.{e}.gate_proj``,
     Mixtral: ``block_sparse_moe.experts.{e}.w1`` (gate), ``w3`` (up), ``w2`` (down)); GraniteMoE stores
     them fused as held, renamed (expert -1: the whole tensor): ``block_sparse_moe.input_linear`` [E, 2I, D]
     (its first I rows the gate, as transformers chunks it) and ``output_linear`` [E, D, I]."""

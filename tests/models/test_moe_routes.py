@@ -89,7 +89,9 @@ def _expert(block: moe.SparseMoE, e: int, x_D: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(gate) * up, block.experts.down_proj[e])
 
 
-@pytest.mark.parametrize(("arch", "norm"), [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True)])
+@pytest.mark.parametrize(
+    ("arch", "norm"), [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True), ("olmoe", False)]
+)
 def test_replay_routes_to_the_given_experts_with_the_routers_weights(arch, norm):
     model = _model(arch, num_experts=4, num_experts_per_tok=2, norm_topk_prob=norm)
     block = model.model.layers[0].mlp

@@ -92,7 +92,7 @@ PHI4_MINI_ROPE = {
 # q/k norms still applied), post-block norms in the model dtype; glm4_moe: the float32 sigmoid router's group
 # choice and the shared expert in CUDA graphs; qwen2_moe: routed experts and the gated shared expert (its gate/up
 # fused) in CUDA graphs; granitemoe: granite's multipliers around expert blocks in every layer (the grouped GEMMs
-# in CUDA graphs)
+# in CUDA graphs); olmoe: experts in every layer, q, k and v clamped after q/k norms over the whole projections
 @pytest.mark.parametrize(
     "arch",
     [
@@ -111,6 +111,7 @@ PHI4_MINI_ROPE = {
         "glm4_moe",
         "qwen2_moe",
         "granitemoe",
+        "olmoe",
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -121,6 +122,8 @@ def test_cuda_graphs_match_eager_on_gpu(dtype, arch):
     kw = {"arch": arch, "sliding_window": 6} if arch in windowed else {"arch": arch}
     if arch == "phi4_mini":
         kw = {"arch": "phi3", "partial_rotary_factor": 0.75, "rope_scaling": PHI4_MINI_ROPE}
+    if arch == "olmoe":  # a clamp that bites q (normed: about N(0, 1)) and v
+        kw["clip_qkv"] = 1.0
     model, cfg = make_model(0, **kw)
     model = model.to(device="cuda", dtype=dtype)
     prompts = random_prompts(11, seed=40)
