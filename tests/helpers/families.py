@@ -95,6 +95,31 @@ def assert_engine_decodes_as_recompute(model, config, **engine_kw) -> None:
         assert out.output_ids == naive_greedy(model, prompt, 10)[0]
 
 
+def assert_engine_reloads_from_disk(model_dir: Path, out_dir: Path) -> None:
+    """An engine holding the checkpoint's weights times 1.5 reads the checkpoint back from disk (its own names, as
+    transformers saved them), then areno's export of the weights times 0.5 (``save_model``'s names): every tensor
+    equals the model's both times."""
+    from areno.models import load_model, save_model
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+
+    model, config = load_model(model_dir)
+    engine_model, _ = load_model(model_dir)
+    with torch.no_grad():
+        for p in engine_model.parameters():
+            p.mul_(1.5)
+    engine = RolloutEngine(engine_model, config, config=RolloutEngineConfig(block_size=4, num_blocks=32))
+    for version, source in ((1, model_dir), (2, out_dir)):
+        if version == 2:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5)
+            save_model(model, config, out_dir)
+        engine.update_weights_from_disk(str(source), version=version)
+        got = engine.weight_tensors()
+        for name, t in model.state_dict().items():
+            assert torch.equal(got[name], t), name
+
+
 def assert_sampled_logprobs_are_the_trainers(model, config) -> None:
     """Tokens the engine samples at temperature 1 carry the log-probs ``packed_logprobs`` computes over prompt and
     completion: whatever the family does to its logits, the engine does as the trainer."""

@@ -21,6 +21,7 @@ from areno.models import Decoder, ModelConfig, load_model, moe, save_model, tiny
 from areno.models.logprobs import packed_logprobs
 from tests.helpers.families import (
     assert_engine_decodes_as_recompute,
+    assert_engine_reloads_from_disk,
     assert_export_reads_back,
     grpo_learns_and_exports,
     packed_batch,
@@ -175,19 +176,9 @@ def test_the_rollout_engine_decodes_what_the_model_computes(tmp_path):
 
 
 def test_the_rollout_engine_reloads_a_release_checkpoint_with_its_mtp_layer(tmp_path):
-    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
-
+    """The release's file with its MTP layer's tensors (left out), then areno's export."""
     _saved(tmp_path / "hf")
-    model, config = load_model(tmp_path / "hf")
-    engine_model, _ = load_model(tmp_path / "hf")
-    with torch.no_grad():
-        for p in engine_model.parameters():
-            p.mul_(1.5)
-    engine = RolloutEngine(engine_model, config, config=RolloutEngineConfig(block_size=4, num_blocks=32))
-    engine.update_weights_from_disk(str(tmp_path / "hf"), version=1)  # the MTP layer's tensors left out
-    got = engine.weight_tensors()
-    for name, t in model.state_dict().items():
-        assert torch.equal(got[name], t), name
+    assert_engine_reloads_from_disk(tmp_path / "hf", tmp_path / "b")
 
 
 def test_grpo_on_a_tiny_glm4_moe_learns_the_reward(tmp_path):

@@ -21,6 +21,7 @@ from areno.models.hf_io import build_model
 from areno.models.logprobs import packed_logprobs
 from tests.helpers.families import (
     assert_engine_decodes_as_recompute,
+    assert_engine_reloads_from_disk,
     assert_export_reads_back,
     assert_server_rollouts_refused,
     grpo_learns_and_exports,
@@ -101,25 +102,9 @@ def test_the_rollout_engine_decodes_what_the_model_computes(tmp_path):
 
 
 def test_the_rollout_engine_reloads_a_checkpoint_from_disk(tmp_path):
-    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
-
+    """transformers' own file (fused, interleaved experts; sinks) and areno's export."""
     _saved(tmp_path)
-    model, config = load_model(tmp_path / "hf")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(1.5)
-    engine_model, _ = load_model(tmp_path / "hf")
-    engine = RolloutEngine(engine_model, config, config=RolloutEngineConfig(block_size=4, num_blocks=32))
-    engine.update_weights_from_disk(str(tmp_path / "hf"), version=1)  # transformers' own file, as it was
-    got = engine.weight_tensors()
-    assert not torch.equal(got["model.layers.0.self_attn.sinks"], model.model.layers[0].self_attn.sinks)
-    from areno.models import save_model
-
-    save_model(model, config, tmp_path / "b")
-    engine.update_weights_from_disk(str(tmp_path / "b"), version=2)
-    got = engine.weight_tensors()
-    for name, t in model.state_dict().items():
-        assert torch.equal(got[name], t), name
+    assert_engine_reloads_from_disk(tmp_path / "hf", tmp_path / "b")
 
 
 def test_grpo_on_a_tiny_gpt_oss_learns_the_reward(tmp_path):

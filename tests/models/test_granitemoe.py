@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GraniteMoeConfig
 
-from areno.models import Decoder, ModelConfig, load_model, moe, save_model, tiny_config
+from areno.models import Decoder, ModelConfig, load_model, moe, tiny_config
 from areno.models.hf_io import read_config
 from areno.models.logprobs import packed_logprobs
 from areno.models.tp_plan import check_tp_size
@@ -25,6 +25,7 @@ from areno.sync.base import NamedTensorSource
 from areno.sync.disk import CheckpointNamedSource
 from tests.helpers.families import (
     assert_engine_decodes_as_recompute,
+    assert_engine_reloads_from_disk,
     assert_export_reads_back,
     assert_sampled_logprobs_are_the_trainers,
     assert_server_rollouts_refused,
@@ -175,25 +176,8 @@ def test_the_engines_sampled_logprobs_are_the_trainers(tmp_path):
 
 def test_the_rollout_engine_reloads_its_checkpoints_from_disk(tmp_path):
     """transformers' own file and areno's export both update the engine (its fused names renamed to the held)."""
-    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
-
     _saved(tmp_path / "hf")
-    model, config = load_model(tmp_path / "hf")
-    engine_model, _ = load_model(tmp_path / "hf")
-    with torch.no_grad():
-        for p in engine_model.parameters():
-            p.mul_(1.5)
-    engine = RolloutEngine(engine_model, config, config=RolloutEngineConfig(block_size=4, num_blocks=32))
-    engine.update_weights_from_disk(str(tmp_path / "hf"), version=1)
-    for name, t in model.state_dict().items():
-        assert torch.equal(engine.weight_tensors()[name], t), name
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(0.5)
-    save_model(model, config, tmp_path / "b")
-    engine.update_weights_from_disk(str(tmp_path / "b"), version=2)
-    for name, t in model.state_dict().items():
-        assert torch.equal(engine.weight_tensors()[name], t), name
+    assert_engine_reloads_from_disk(tmp_path / "hf", tmp_path / "b")
 
 
 def test_routes_the_engine_captures_replay_in_training(tmp_path):

@@ -19,13 +19,14 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
-from areno.models import Decoder, ModelConfig, check_tp_size, load_model, moe, save_model, tiny_config
+from areno.models import Decoder, ModelConfig, check_tp_size, load_model, moe, tiny_config
 from areno.models.logprobs import packed_logprobs
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.types import SamplingParams
 from tests.helpers.families import (
     VOCAB,
     assert_engine_decodes_as_recompute,
+    assert_engine_reloads_from_disk,
     assert_export_reads_back,
     assert_gradients_match,
     grpo_learns_and_exports,
@@ -160,18 +161,9 @@ def test_the_rollout_engine_decodes_as_a_recompute_with_and_without_fused_projec
 
 
 def test_the_rollout_engine_reloads_a_checkpoint_from_disk(tmp_path):
+    """Per-expert names and the shared expert's own, from transformers' file and areno's export."""
     saved_by_transformers(Qwen2MoeConfig, tmp_path / "hf", **SHAPE)
-    model, config = load_model(tmp_path / "hf")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(1.5)
-    save_model(model, config, tmp_path / "b")
-    engine_model, _ = load_model(tmp_path / "hf")
-    engine = RolloutEngine(engine_model, config, config=RolloutEngineConfig(block_size=4, num_blocks=32))
-    engine.update_weights_from_disk(str(tmp_path / "b"), version=1)  # per-expert names, the shared expert's own
-    got = engine.weight_tensors()
-    for name, t in model.state_dict().items():
-        assert torch.equal(got[name], t), name
+    assert_engine_reloads_from_disk(tmp_path / "hf", tmp_path / "b")
 
 
 def test_lora_adapts_linear_layers_the_shared_expert_among_them():
