@@ -776,6 +776,11 @@ def run_trl(
         callbacks=[timer],
     )
     setup_s = time.perf_counter() - t_setup
+    hf_config = trainer.model.config
+    if not hasattr(hf_config, "num_experts") and hasattr(hf_config, "num_local_experts"):
+        # TRL's balance loss reads config.num_experts, which GraniteMoe's config names num_local_experts: the same
+        # count under the name TRL reads, so that its loss is computed as its other expert models' are
+        hf_config.num_experts = hf_config.num_local_experts
     for cb in (PrinterCallback, ProgressCallback):  # stdout carries only this script's JSON lines
         trainer.remove_callback(cb)
     trainer.train()
