@@ -4,8 +4,8 @@ Module names equal the Hugging Face names (``model.embed_tokens``, ``model.layer
 ``model.norm``, ``lm_head`` …), so ``Decoder.state_dict()`` *is* the HF state dict; the tied output
 projection has no ``lm_head`` module. Mixture-of-experts layers (``moe.SparseMoE``: Qwen3-MoE, Mixtral, gpt-oss,
 GLM-4.5, Qwen2-MoE, GraniteMoE, OLMoE) hold their experts fused as transformers 5 does in memory; ``hf_io`` maps them
-to the per-expert names checkpoints store. Qwen2-MoE's shared expert is an ``MLP`` inside the block
-(``mlp.shared_expert``).
+to the per-expert names checkpoints store. Qwen2-MoE's shared expert and GLM-4.5's shared experts are ``MLP``s
+inside the block (``mlp.shared_expert``, ``mlp.shared_experts``).
 
 Inputs are packed and 1-D: ``input_ids_T`` holds all sequences concatenated and ``position_ids_T``
 restarts at 0 for each. Attention is delegated to an ``AttentionBackend`` called in every layer as
@@ -464,9 +464,17 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer_idx, tp_size, tp_reduce)
         if config.is_moe_layer(layer_idx):
-            width = config.shared_expert_intermediate_size  # Qwen2-MoE's shared expert (expert models run whole)
-            shared = MLP(config, intermediate_size=width) if width else None
-            self.mlp = moe.SparseMoE(config, layer_idx, shared_expert=shared)
+            # shared experts as dense MLPs (expert models run whole): Qwen2-MoE's gated one, GLM-4.5's ungated ones
+            gated, ungated = (
+                config.shared_expert_intermediate_size,
+                config.moe_intermediate_size * config.n_shared_experts,
+            )
+            self.mlp = moe.SparseMoE(
+                config,
+                layer_idx,
+                shared_expert=MLP(config, intermediate_size=gated) if gated else None,
+                shared_experts=MLP(config, intermediate_size=ungated) if ungated else None,
+            )
         else:
             self.mlp = MLP(config, tp_size, tp_reduce)
         d, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_weight_offset

@@ -44,12 +44,12 @@ def rowwise(lin: nn.Linear, x: torch.Tensor, tp_reduce: TPReduce | None) -> torc
 
 # ------------------------------------------------------------------------------ fused projections
 def dense_mlps(layer: nn.Module) -> list[nn.Module]:
-    """The dense (gate/up/down) MLPs of a decoder layer: its MLP, or a sparse block's shared expert (whose
-    experts are fused tensors already)."""
+    """The dense (gate/up/down) MLPs of a decoder layer: its MLP, or a sparse block's shared experts (whose
+    routed experts are fused tensors already)."""
     m = layer.mlp
     if not isinstance(m, moe.SparseMoE):
         return [m]
-    return [m.shared_expert] if m.shared_expert is not None else []
+    return [x for x in (m.shared_expert, m.shared_experts) if x is not None]
 
 
 @torch.no_grad()

@@ -13,8 +13,8 @@ experts, a clamped SwiGLU: ``ExpertGLU``). Qwen2-MoE adds a shared expert every 
 Routing as transformers does it: softmax over the router logits in fp32, top-k, optionally
 renormalised (``norm_topk_prob``; Mixtral, gpt-oss and GraniteMoE always: the latter two's softmax over
 the top-k logits is that), cast to the activations' dtype. GLM-4.5's router (``SigmoidRouter``) scores by a
-sigmoid and chooses within groups by a bias; its shared experts (``SharedExperts``, ``mlp.shared_experts``) add
-to the routed output. The experts run
+sigmoid and chooses within groups by a bias; its shared experts (``mlp.shared_experts``, one dense SwiGLU MLP
+the decoder builds and hands in) add to the routed output, ungated. The experts run
 grouped (``grouped_experts``): the T·k (token, expert) pairs sorted by expert, then one GEMM per
 expert over its contiguous rows, and one scatter-add back, instead of a pass over every token per expert.
 
@@ -135,21 +135,6 @@ class SigmoidRouter(nn.Module):
         replay_TK = replay_TK.to(experts_TK.device, torch.long)
         experts_TK = torch.where((replay_TK >= 0).all(-1, keepdim=True), replay_TK, experts_TK)
         return self._weights(logits_TE.sigmoid(), experts_TK).to(dtype), experts_TK
-
-
-class SharedExperts(nn.Module):
-    """The experts every token passes (GLM-4.5's ``mlp.shared_experts``, transformers' ``Glm4MoeMLP`` of width
-    ``moe_intermediate_size * n_shared_experts``): one ungated SwiGLU MLP whose output adds to the routed ones."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        d, i = config.hidden_size, config.moe_intermediate_size * config.n_shared_experts
-        self.gate_proj = nn.Linear(d, i, bias=False)
-        self.up_proj = nn.Linear(d, i, bias=False)
-        self.down_proj = nn.Linear(i, d, bias=False)
-
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
 
 
 def float32_routers(model: nn.Module) -> list[nn.Module]:
@@ -384,11 +369,18 @@ class RouteCapture:
 
 class SparseMoE(nn.Module):
     """The block in place of the dense MLP: ``gate`` (the router), ``experts`` and, where the layout has them,
-    ``shared_experts`` (GLM-4.5's, ungated); with ``shared_expert`` (a dense MLP module of x [T, D] -> [T, D]:
+    ``shared_experts`` (a dense MLP module of x [T, D] -> [T, D]: GLM-4.5's, ungated); with ``shared_expert`` (one:
     Qwen2-MoE's) also that expert on every token, times ``sigmoid(shared_expert_gate(x))``, added to the routed sum
     as transformers' ``Qwen2MoeSparseMoeBlock`` adds it."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, *, shared_expert: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        *,
+        shared_expert: nn.Module | None = None,
+        shared_experts: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_experts = config.num_experts
@@ -396,7 +388,8 @@ class SparseMoE(nn.Module):
         self.aux_loss_coef = config.router_aux_loss_coef
         self.gate = SigmoidRouter(config) if config.router_scoring == "sigmoid" else TopKRouter(config)
         self.experts = Experts(config)
-        self.shared_experts = SharedExperts(config) if config.n_shared_experts else None
+        self.shared_experts = shared_experts
+        """GLM-4.5's shared experts (a dense SwiGLU MLP of ``moe_intermediate_size * n_shared_experts``), or None."""
         self.shared_expert = shared_expert
         """Qwen2-MoE's shared expert (a dense SwiGLU MLP of ``shared_expert_intermediate_size``), or None."""
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared_expert is not None else None
