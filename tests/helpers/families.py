@@ -50,6 +50,14 @@ def saved_by_transformers(
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
+def saved_names(path) -> set[str]:
+    """The tensor names of ``path``'s ``model.safetensors`` (a one-file checkpoint)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
 def packed_batch() -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Three random sequences of ``LENS`` tokens: (each, packed, cu_seqlens)."""
     g = torch.Generator().manual_seed(1)

@@ -10,7 +10,6 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
 from transformers import AutoModelForCausalLM, Ernie4_5Config
 from transformers.models.ernie4_5.modeling_ernie4_5 import Ernie4_5RotaryEmbedding, apply_rotary_pos_emb
 
@@ -26,14 +25,10 @@ from tests.helpers.families import (
     packed_batch,
     reference_logprobs,
     saved_by_transformers,
+    saved_names,
 )
 
 SHAPE = dict(head_dim=12, use_bias=True, tie_word_embeddings=True, spread_norms=True, spread_biases=True)
-
-
-def _names(path) -> set[str]:
-    with safe_open(str(path / "model.safetensors"), "pt") as f:
-        return set(f.keys())
 
 
 def test_a_checkpoint_transformers_saved_computes_its_logprobs_and_exports_its_names(tmp_path):
@@ -58,7 +53,7 @@ def test_a_checkpoint_transformers_saved_computes_its_logprobs_and_exports_its_n
     assert (halves - expected).abs().max().item() > 1e-2
     assert config.num_params() == sum(p.numel() for p in model.parameters())
     assert_export_reads_back(model, config, seqs, expected, tmp_path / "out")
-    assert _names(tmp_path / "out") == _names(tmp_path / "hf")
+    assert saved_names(tmp_path / "out") == saved_names(tmp_path / "hf")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["use_bias"] is True
 
 

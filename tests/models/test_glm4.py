@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import torch
-from safetensors import safe_open
 from transformers import Glm4Config
 
 from areno.models import ModelConfig, load_model, tiny_config
@@ -23,14 +22,10 @@ from tests.helpers.families import (
     packed_batch,
     reference_logprobs,
     saved_by_transformers,
+    saved_names,
 )
 
 SHAPE = dict(head_dim=12, spread_norms=True)
-
-
-def _names(path) -> set[str]:
-    with safe_open(str(path / "model.safetensors"), "pt") as f:
-        return set(f.keys())
 
 
 def test_a_checkpoint_transformers_saved_computes_its_logprobs_and_exports_its_names(tmp_path):
@@ -46,7 +41,7 @@ def test_a_checkpoint_transformers_saved_computes_its_logprobs_and_exports_its_n
     assert expected.abs().max() > 1.0
     assert (ours - expected).abs().max().item() <= 1e-4
     assert_export_reads_back(model, config, seqs, expected, tmp_path / "out")
-    assert _names(tmp_path / "out") == _names(tmp_path / "hf")  # gate_up_proj packed, as transformers
+    assert saved_names(tmp_path / "out") == saved_names(tmp_path / "hf")  # gate_up_proj packed, as transformers
 
 
 def test_gradients_match_transformers(tmp_path):

@@ -11,7 +11,6 @@ import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Phi3Config
 
@@ -27,6 +26,7 @@ from tests.helpers.families import (
     packed_batch,
     reference_logprobs,
     saved_by_transformers,
+    saved_names,
 )
 
 
@@ -42,11 +42,6 @@ def _logprobs(ref, model):
     return ours, reference_logprobs(ref, seqs)
 
 
-def _names(path) -> set[str]:
-    with safe_open(str(path / "model.safetensors"), "pt") as f:
-        return set(f.keys())
-
-
 @pytest.mark.parametrize("window", [None, 5])
 def test_a_checkpoint_transformers_saved_loads_and_exports_its_packed_names(window, tmp_path):
     ref = _saved_by_transformers(tmp_path / "hf", sliding_window=window)
@@ -57,7 +52,7 @@ def test_a_checkpoint_transformers_saved_loads_and_exports_its_packed_names(wind
     assert expected.abs().max() > 1.0
     assert (ours - expected).abs().max().item() <= 1e-4
     save_model(model, config, tmp_path / "out")
-    assert _names(tmp_path / "out") == _names(tmp_path / "hf")  # qkv_proj and gate_up_proj, as transformers
+    assert saved_names(tmp_path / "out") == saved_names(tmp_path / "hf")  # qkv_proj and gate_up_proj, as transformers
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32, attn_implementation="eager")
     assert (_logprobs(back.eval(), model)[1] - expected).abs().max().item() <= 1e-5
     assert ModelConfig.from_hf(json.loads((tmp_path / "out" / "config.json").read_text())) == config
@@ -218,6 +213,6 @@ def test_grpo_on_a_tiny_phi3_trains_and_exports_what_transformers_loads(tmp_path
     assert len(rewards) == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     export = tmp_path / "run" / "checkpoints" / "step_00000012" / "hf"
-    assert "model.layers.0.mlp.gate_up_proj.weight" in _names(export)
+    assert "model.layers.0.mlp.gate_up_proj.weight" in saved_names(export)
     hf = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     assert type(hf).__name__ == "Phi3ForCausalLM"

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
@@ -33,6 +32,7 @@ from tests.helpers.families import (
     packed_batch,
     reference_logprobs,
     saved_by_transformers,
+    saved_names,
 )
 
 TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
@@ -56,11 +56,6 @@ class _Open(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         return x_TD.new_full((x_TD.shape[0], 1), float("inf"))
-
-
-def _names(path) -> set[str]:
-    with safe_open(str(path / "model.safetensors"), "pt") as f:
-        return set(f.keys())
 
 
 def test_a_checkpoint_transformers_saved_computes_its_logprobs_and_exports_its_names(tmp_path):
@@ -91,8 +86,8 @@ def test_a_checkpoint_transformers_saved_computes_its_logprobs_and_exports_its_n
         ref_sd, ours_sd = ref.state_dict(), model.state_dict()
         assert sorted(ours_sd) == sorted(ref_sd) and all(torch.equal(ours_sd[k], ref_sd[k]) for k in ours_sd)
     assert_export_reads_back(model, config, seqs, expected, tmp_path / "out")
-    assert _names(tmp_path / "out") == _names(tmp_path / "hf")
-    assert "model.layers.2.mlp.experts.5.up_proj.weight" in _names(tmp_path / "out")
+    assert saved_names(tmp_path / "out") == saved_names(tmp_path / "hf")
+    assert "model.layers.2.mlp.experts.5.up_proj.weight" in saved_names(tmp_path / "out")
     exported = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (exported["shared_expert_intermediate_size"], exported["qkv_bias"], exported["mlp_only_layers"]) == (
         40,
