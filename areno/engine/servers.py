@@ -44,6 +44,7 @@ from areno.launch.servers import (
     free_ports,
     start_servers,
 )
+from areno.models import moe
 from areno.models.config import OLMOE, ModelConfig
 from areno.models.hf_io import read_config
 from areno.rollout.backends.admin import ServerAdmin, admin_for
@@ -313,7 +314,9 @@ class ServerRolloutSide(RolloutSide):
                 self._checkpoint_named = CheckpointNamedSource(update.source, self.policy_config)
             source = self._checkpoint_named
         meta = [(name, tuple(shape), dtype) for name, shape, dtype in source.meta()]
-        self.nccl.send(meta, ((name, full_tensor(t)) for name, t in source.iter_tensors()))
+        # the routers' checkpoint names are their in-memory ones
+        keep = moe.float32_names(self.policy_config)
+        self.nccl.send(meta, ((name, full_tensor(t)) for name, t in source.iter_tensors()), float32_names=keep)
         for url in paused:
             self.admin.reset_prefix_cache(url, update.version)
 

@@ -13,7 +13,8 @@ experts, a clamped SwiGLU: ``ExpertGLU``). Qwen2-MoE adds a shared expert every 
 Routing as transformers does it: softmax over the router logits in fp32, top-k, optionally
 renormalised (``norm_topk_prob``; Mixtral, gpt-oss and GraniteMoE always: the latter two's softmax over
 the top-k logits is that), cast to the activations' dtype. GLM-4.5's router (``SigmoidRouter``) scores by a
-sigmoid and chooses within groups by a bias; its shared experts (``mlp.shared_experts``, one dense SwiGLU MLP
+sigmoid and chooses within groups by a bias, its weights left in float32 (``SigmoidRouter.weights_dtype``): each
+expert's output times its weight is rounded once, as transformers rounds it; its shared experts (``mlp.shared_experts``, one dense SwiGLU MLP
 the decoder builds and hands in) add to the routed output, ungated. The experts run
 grouped (``grouped_experts``): the T·k (token, expert) pairs sorted by expert, then one GEMM per
 expert over its contiguous rows, and one scatter-add back, instead of a pass over every token per expert.
@@ -84,6 +85,11 @@ class TopKRouter(nn.Module):
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
         return weights_TK.to(dtype), experts_TK
 
+    @staticmethod
+    def weights_dtype(x_dtype: torch.dtype) -> torch.dtype:
+        """The activations' dtype: transformers rounds these weights to it before the experts' products."""
+        return x_dtype
+
 
 class SigmoidRouter(nn.Module):
     """GLM-4.5's router (transformers' ``Glm4MoeTopkRouter``, DeepSeek-V3's rule): ``weight`` [E, D] and the
@@ -106,7 +112,7 @@ class SigmoidRouter(nn.Module):
         self.scale = config.routed_scaling_factor
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(router logits [T, E] in float32, top-k weights [T, K] in x's dtype, top-k expert ids [T, K])."""
+        """(router logits [T, E], top-k weights [T, K], top-k expert ids [T, K]), the first two in float32."""
         with torch.autocast(x_TD.device.type, enabled=False):  # autocast would run the product in bf16
             logits_TE = F.linear(x_TD.float(), self.weight.float())
         scores_TE = logits_TE.sigmoid()
@@ -118,7 +124,7 @@ class SigmoidRouter(nn.Module):
             best_TG = torch.zeros_like(group_TG).scatter_(1, group_TG.topk(self.topk_group, dim=-1).indices, 1.0)
             choice_TE = choice_TGe.masked_fill(best_TG[..., None] == 0, float("-inf")).view(T, E)
         experts_TK = torch.topk(choice_TE, self.top_k, dim=-1).indices
-        return logits_TE, self._weights(scores_TE, experts_TK).to(x_TD.dtype), experts_TK
+        return logits_TE, self._weights(scores_TE, experts_TK), experts_TK
 
     def _weights(self, scores_TE: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
         """The unbiased scores of ``experts_TK``, renormalised where ``norm_topk_prob``, times the scale (float32)."""
@@ -135,6 +141,11 @@ class SigmoidRouter(nn.Module):
         replay_TK = replay_TK.to(experts_TK.device, torch.long)
         experts_TK = torch.where((replay_TK >= 0).all(-1, keepdim=True), replay_TK, experts_TK)
         return self._weights(logits_TE.sigmoid(), experts_TK).to(dtype), experts_TK
+
+    @staticmethod
+    def weights_dtype(x_dtype: torch.dtype) -> torch.dtype:
+        """float32: transformers multiplies each expert's output by these weights unrounded."""
+        return torch.float32
 
 
 def float32_routers(model: nn.Module) -> list[nn.Module]:
@@ -257,7 +268,7 @@ def grouped_experts(
         start += n
     pieces.append(x_ND.new_zeros(counts[-1], D))
     out_ND = torch.cat(pieces)
-    out_ND = out_ND * weights_TK.reshape(-1)[order_N, None]
+    out_ND = (out_ND * weights_TK.reshape(-1)[order_N, None]).to(x_TD.dtype)
     return x_TD.new_zeros(T, D).index_add_(0, token_N, out_ND)
 
 
@@ -288,7 +299,7 @@ def grouped_mm_experts(
     out_ND = torch._grouped_mm(glu(gate_NI, up_NI).contiguous(), down_EDI.transpose(-2, -1), offs=offsets_E)
     if biases is not None:
         out_ND = out_ND + biases[1][expert_N]
-    out_ND = out_ND * weights_TK.reshape(-1)[order_N, None]
+    out_ND = (out_ND * weights_TK.reshape(-1)[order_N, None]).to(x_TD.dtype)
     return x_TD.new_zeros(T, D).index_add_(0, token_N, out_ND)
 
 
@@ -323,7 +334,7 @@ def naive_experts(
         w_T = (weights_TK * (experts_TK == e)).sum(-1)
         b_gate_up, b_down = (None, None) if biases is None else (biases[0][e], biases[1][e])
         gate_TI, up_TI = F.linear(x_TD, gate_up_nD, b_gate_up).chunk(2, dim=-1)
-        out_TD = out_TD + w_T[:, None] * F.linear(glu(gate_TI, up_TI), down_DI, b_down)
+        out_TD = out_TD + (w_T[:, None] * F.linear(glu(gate_TI, up_TI), down_DI, b_down)).to(x_TD.dtype)
     return out_TD
 
 
@@ -416,13 +427,14 @@ class SparseMoE(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         logits_TE, weights_TK, experts_TK = self.gate(x_TD)
-        # in the block's dtype: a float32 router's input may be float32 (FSDP2's float32 group casts it)
-        weights_TK = weights_TK.to(x_TD.dtype)
+        # a float32 router's input may be float32 (FSDP2's float32 group casts it), its weights then too
+        weights_dtype = self.gate.weights_dtype(x_TD.dtype)
+        weights_TK = weights_TK.to(weights_dtype)
         if self.keep_router_logits and self.training and torch.is_grad_enabled():
             self.router_logits_TE = logits_TE
         if self.replay_TK is not None:
             own_TK = experts_TK
-            weights_TK, experts_TK = self.gate.replayed(logits_TE, experts_TK, self.replay_TK, x_TD.dtype)
+            weights_TK, experts_TK = self.gate.replayed(logits_TE, experts_TK, self.replay_TK, weights_dtype)
             if self.record is not None:  # the router's own choice, and the experts the tokens went to
                 self.record.add(self.layer_idx, own_TK, used_TK=experts_TK)
         elif self.record is not None:

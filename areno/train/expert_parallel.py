@@ -82,7 +82,7 @@ class AllToAllDispatch:
         first = self.rank * self.per_rank
         y_recv = moe.grouped_experts(x_recv, experts_recv[:, None], ones, gate_up_local, down_local, first_expert=first)
         y_N = funcol.all_to_all_single_autograd(y_recv, send_sizes, recv_sizes, self.group)
-        y_N = y_N * weights_TK.reshape(-1)[order_N, None]
+        y_N = (y_N * weights_TK.reshape(-1)[order_N, None]).to(x_TD.dtype)  # float32 weights: rounded once
         return x_TD.new_zeros(T, D).index_add_(0, token_N, y_N)
 
     def _local(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -14,6 +14,7 @@ import logging
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Glm4MoeConfig
 
@@ -140,6 +141,26 @@ def test_the_router_stays_float32_in_a_bf16_model(tmp_path):
     assert stored["model.layers.1.mlp.experts.0.up_proj.weight"].dtype == torch.bfloat16
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
     assert back.model.layers[1].mlp.gate.weight.dtype == torch.float32
+
+
+@pytest.mark.skipif(
+    int(transformers.__version__.split(".")[0]) < 5, reason="transformers 4 sums the experts' outputs in float32"
+)
+def test_a_bf16_expert_block_rounds_as_transformers_rounds(tmp_path):
+    """The float32 router's weights multiply each expert's bf16 output unrounded, the product rounded once
+    (transformers' eager experts): the block equals transformers' bit for bit; weights rounded first do not."""
+    _saved(tmp_path / "hf")
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16, experts_implementation="eager")
+    model, _ = load_model(tmp_path / "hf", dtype=torch.bfloat16)
+    block, ref_block = model.model.layers[1].mlp, ref.model.layers[1].mlp
+    x_TD = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.no_grad():
+        expected_TD = ref_block(x_TD[None])[0]
+        torch.testing.assert_close(block(x_TD), expected_TD, rtol=0, atol=0)
+        _, weights_TK, experts_TK = block.gate(x_TD)
+        assert weights_TK.dtype == torch.float32
+        rounded_TD = block.experts(x_TD, experts_TK, weights_TK.bfloat16()) + block.shared_experts(x_TD)
+    assert not torch.equal(rounded_TD, expected_TD)
 
 
 def test_routing_replay_routes_with_the_routers_own_weights(tmp_path):
