@@ -44,7 +44,6 @@ from areno.launch.servers import (
     free_ports,
     start_servers,
 )
-from areno.models import moe
 from areno.models.config import OLMOE, ModelConfig
 from areno.models.hf_io import read_config
 from areno.rollout.backends.admin import ServerAdmin, admin_for
@@ -314,9 +313,7 @@ class ServerRolloutSide(RolloutSide):
                 self._checkpoint_named = CheckpointNamedSource(update.source, self.policy_config)
             source = self._checkpoint_named
         meta = [(name, tuple(shape), dtype) for name, shape, dtype in source.meta()]
-        # the routers' checkpoint names are their in-memory ones
-        keep = moe.float32_names(self.policy_config)
-        self.nccl.send(meta, ((name, full_tensor(t)) for name, t in source.iter_tensors()), float32_names=keep)
+        self.nccl.send(meta, ((name, full_tensor(t)) for name, t in source.iter_tensors()))
         for url in paused:
             self.admin.reset_prefix_cache(url, update.version)
 

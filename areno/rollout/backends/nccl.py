@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -99,23 +99,19 @@ class NcclWeightTransfer:
         _all_or_first_error([*calls, joined], "joining the NCCL weight-transfer group")
         self.group = joined.result()
 
-    def send(
-        self, meta: Meta, tensors: Iterable[tuple[str, torch.Tensor]], float32_names: Collection[str] = ()
-    ) -> None:
+    def send(self, meta: Meta, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """One sync: start, the tensors (``meta`` order) broadcast while every server receives,
-        finish. The servers must be paused (requests kept) by the caller. Each tensor travels in the
-        servers' ``dtype``, but those of ``float32_names`` (GLM-4.5's routers, which the servers keep in float32)."""
+        finish. The servers must be paused (requests kept) by the caller."""
         assert self.group is not None, "start() the transfer first"
-        dtypes = [torch.float32 if name in float32_names else self.dtype for name, _, _ in meta]
         info = {
             "names": [name for name, _, _ in meta],
-            "dtype_names": [str(dtype).removeprefix("torch.") for dtype in dtypes],
+            "dtype_names": [str(self.dtype).removeprefix("torch.")] * len(meta),
             "shapes": [list(shape) for _, shape, _ in meta],
             "packed": True,
         }
         for url in self.urls:
             self.admin.start_weight_update(url)
-        cast = ((name, t.to(device=self.device, dtype=dtype)) for (name, t), dtype in zip(tensors, dtypes, strict=True))
+        cast = ((name, t.to(device=self.device, dtype=self.dtype)) for name, t in tensors)
         # the broadcast runs in a thread too: a server that refuses its update must stop the run
         # rather than leave this thread waiting on a collective nobody else joins
         receiving = [_in_daemon_thread(self.admin.update_weights_nccl, url, info) for url in self.urls]
