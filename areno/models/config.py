@@ -318,8 +318,9 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     """What a ``sigmoid`` router's weights are multiplied by (GLM-4.5: 2.5)."""
     n_shared_experts: int = 0
-    """Shared experts of each sparse block (GLM-4.5: 1): one ungated SwiGLU MLP ``mlp.shared_experts`` of width
-    ``moe_intermediate_size * n_shared_experts`` that every token passes, added to the routed experts' output."""
+    """Shared experts of each sparse block (GLM-4.5: 1; at least 1 there, 0 elsewhere): one ungated SwiGLU MLP
+    ``mlp.shared_experts`` of width ``moe_intermediate_size * n_shared_experts`` that every token passes, added to
+    the routed experts' output."""
     first_k_dense_replace: int = 0
     """The first layers that keep a dense MLP of ``intermediate_size`` (GLM-4.5: 3, GLM-4.5-Air: 1)."""
     attention_sinks: bool = False
@@ -699,10 +700,17 @@ class ModelConfig:
                 f"ModelConfig.topk_group={self.topk_group} must be in [1, n_group={self.n_group}] and its groups must "
                 f"hold num_experts_per_tok={self.num_experts_per_tok} experts ({per_group} a group)"
             )
-        if self.n_shared_experts < 0 or not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+        if self.n_shared_experts < 1:
+            # transformers builds them 0 wide and saves their empty tensors, which areno's block has no place for
             raise ValueError(
-                f"ModelConfig.n_shared_experts={self.n_shared_experts} must be >= 0 and first_k_dense_replace="
-                f"{self.first_k_dense_replace} in [0, num_hidden_layers={self.num_hidden_layers}]"
+                f"ModelConfig.n_shared_experts={self.n_shared_experts} is not supported for {arch}: transformers "
+                "builds its shared experts moe_intermediate_size x n_shared_experts wide, empty tensors areno does "
+                "not hold (GLM-4.5, GLM-4.5-Air and GLM-4.6 have 1): set n_shared_experts >= 1"
+            )
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise ValueError(
+                f"ModelConfig.first_k_dense_replace={self.first_k_dense_replace} must be in [0, num_hidden_layers="
+                f"{self.num_hidden_layers}]"
             )
         if self.decoder_sparse_step != 1 or self.mlp_only_layers:
             raise ValueError(

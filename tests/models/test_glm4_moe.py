@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Glm4MoeConfig
 
 from areno.models import Decoder, ModelConfig, load_model, moe, save_model, tiny_config
+from areno.models.hf_io import read_config
 from areno.models.logprobs import packed_logprobs
 from tests.helpers.families import (
     assert_engine_decodes_as_recompute,
@@ -27,6 +28,7 @@ from tests.helpers.families import (
     packed_batch,
     reference_logprobs,
     saved_by_transformers,
+    saved_names,
 )
 
 SHAPE = dict(
@@ -223,6 +225,19 @@ def test_config_reads_transformers_keys_and_refuses_what_it_does_not_compute():
         from areno.models.tp_plan import check_tp_size
 
         check_tp_size(tiny, 2)
+
+
+def test_a_checkpoint_without_shared_experts_is_refused_in_one_line_before_its_weights_load(tmp_path):
+    """n_shared_experts=0: transformers builds the shared experts 0 wide and saves their empty tensors; areno
+    refuses the config by name as it reads config.json, before any tensor is read."""
+    shape = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=0)
+    saved_by_transformers(Glm4MoeConfig, tmp_path, **shape)
+    assert any(".shared_experts." in name for name in saved_names(tmp_path))  # the empty tensors
+    with pytest.raises(ValueError, match=r"n_shared_experts=0 is not supported .*: set n_shared_experts >= 1$") as e:
+        read_config(tmp_path)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="n_shared_experts=0 is not supported"):
+        load_model(tmp_path)
 
 
 def _fsdp_worker(rank, world, model_dir, out):
