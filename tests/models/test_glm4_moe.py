@@ -144,6 +144,27 @@ def test_the_router_stays_float32_in_a_bf16_model(tmp_path):
     assert back.model.layers[1].mlp.gate.weight.dtype == torch.float32
 
 
+def test_a_reward_model_export_of_a_bf16_model_keeps_its_routers_float32(tmp_path):
+    """``save_reward_model`` writes a bf16 reward model's decoder in bf16 but its routers in float32, their trained
+    values unrounded, as ``save_model`` writes a policy's."""
+    from areno.specializations.preference import save_reward_model
+
+    config = tiny_config(61, arch="glm4_moe", tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Decoder(config).to(torch.bfloat16)
+    moe.keep_routers_float32(model)  # as load_model builds a bf16 model
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.weight.normal_(0.0, 0.2)  # float32 values bf16 cannot hold
+        model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0.0, 0.3)
+    state = {f"decoder.{k}": t for k, t in model.state_dict().items()}
+    state["score.weight"] = torch.randn(1, config.hidden_size, dtype=torch.bfloat16)
+    stored = load_file(save_reward_model(state, config, tmp_path / "rm") / "model.safetensors")
+    for leaf in ("weight", "e_score_correction_bias"):
+        name = f"model.layers.1.mlp.gate.{leaf}"
+        assert stored[name].dtype == torch.float32 and torch.equal(stored[name], state[f"decoder.{name}"])
+    assert stored["model.layers.1.mlp.experts.0.up_proj.weight"].dtype == torch.bfloat16
+
+
 def test_routing_replay_routes_with_the_routers_own_weights(tmp_path):
     torch.manual_seed(0)
     model = Decoder(tiny_config(61, arch="glm4_moe", hidden_size=32, initializer_range=0.2))
