@@ -627,6 +627,10 @@ class ModelConfig:
     def _check_moe(self) -> None:
         """Expert fields only where the architecture has experts, and in range."""
         arch = self.architecture
+        for name in _MOE_INT_FIELDS:  # a float reads as a size far from here (a view's shape, a layer index)
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"ModelConfig.{name} must be an int, got {value!r}")
         if (self.num_experts > 0) != (arch in MOE_ARCHITECTURES):
             raise ValueError(
                 f"num_experts={self.num_experts} is impossible for {arch}: "
@@ -1181,6 +1185,19 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+_MOE_INT_FIELDS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "decoder_sparse_step",
+    "shared_expert_intermediate_size",
+    "n_group",
+    "topk_group",
+    "n_shared_experts",
+    "first_k_dense_replace",
+)
+"""The expert counts and widths of ``ModelConfig``: ints (``_check_moe``)."""
+
 _BOUNDS: dict[str, tuple[str, str]] = {
     "attn_logit_softcapping": (GEMMA2, "Gemma 2's soft-capping"),
     "final_logit_softcapping": (GEMMA2, "Gemma 2's soft-capping"),
@@ -1286,7 +1303,7 @@ def _read_moe(arch: str, d: dict[str, Any]) -> dict[str, Any]:
             router_scoring="sigmoid",
             n_group=d["n_group"],
             topk_group=d["topk_group"],
-            routed_scaling_factor=float(d["routed_scaling_factor"]),
+            routed_scaling_factor=d["routed_scaling_factor"],  # checked (a positive float) and cast by ModelConfig
             n_shared_experts=d["n_shared_experts"],
             first_k_dense_replace=d["first_k_dense_replace"],
             num_experts_per_tok=d["num_experts_per_tok"],

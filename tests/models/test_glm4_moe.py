@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -259,6 +260,23 @@ def test_a_checkpoint_without_shared_experts_is_refused_in_one_line_before_its_w
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="n_shared_experts=0 is not supported"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("n_group", 4.0, "ModelConfig.n_group must be an int, got 4.0"),  # a float fails the router's view
+        ("topk_group", None, "ModelConfig.topk_group must be an int, got None"),
+        ("first_k_dense_replace", True, "ModelConfig.first_k_dense_replace must be an int, got True"),
+        ("n_routed_experts", "8", "ModelConfig.num_experts must be an int, got '8'"),
+        ("routed_scaling_factor", None, "ModelConfig.routed_scaling_factor must be a positive float, got None"),
+    ],
+)
+def test_a_config_json_value_of_the_wrong_type_is_refused_in_one_line(key, value, message):
+    """Its routing fields as config.json may hold them wrongly: a one-line ValueError naming the field, not a
+    TypeError, and never a config accepted that fails in the forward."""
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        ModelConfig.from_hf({**tiny_config(61, arch="glm4_moe").to_hf(), key: value})
 
 
 def _fsdp_worker(rank, world, model_dir, out):
