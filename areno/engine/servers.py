@@ -44,6 +44,7 @@ from areno.launch.servers import (
     free_ports,
     start_servers,
 )
+from areno.models import moe
 from areno.models.config import OLMOE, ModelConfig
 from areno.models.hf_io import read_config
 from areno.rollout.backends.admin import ServerAdmin, admin_for
@@ -219,6 +220,7 @@ class ServerRolloutSide(RolloutSide):
             device=torch.device("cuda"),  # the current device: the training side's
             master_address="127.0.0.1",  # areno's own servers bind the loopback
             master_port=free_port(),
+            float32_names=moe.float32_names(self.policy_config),  # GLM-4.5's routers: vLLM holds them in float32
         )
         transfer.start()
         return transfer

@@ -318,8 +318,9 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     """What a ``sigmoid`` router's weights are multiplied by (GLM-4.5: 2.5)."""
     n_shared_experts: int = 0
-    """Shared experts of each sparse block (GLM-4.5: 1): one ungated SwiGLU MLP ``mlp.shared_experts`` of width
-    ``moe_intermediate_size * n_shared_experts`` that every token passes, added to the routed experts' output."""
+    """Shared experts of each sparse block (GLM-4.5: 1; at least 1 there, 0 elsewhere): one ungated SwiGLU MLP
+    ``mlp.shared_experts`` of width ``moe_intermediate_size * n_shared_experts`` that every token passes, added to
+    the routed experts' output."""
     first_k_dense_replace: int = 0
     """The first layers that keep a dense MLP of ``intermediate_size`` (GLM-4.5: 3, GLM-4.5-Air: 1)."""
     attention_sinks: bool = False
@@ -626,6 +627,10 @@ class ModelConfig:
     def _check_moe(self) -> None:
         """Expert fields only where the architecture has experts, and in range."""
         arch = self.architecture
+        for name in _MOE_INT_FIELDS:  # a float reads as a size far from here (a view's shape, a layer index)
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"ModelConfig.{name} must be an int, got {value!r}")
         if (self.num_experts > 0) != (arch in MOE_ARCHITECTURES):
             raise ValueError(
                 f"num_experts={self.num_experts} is impossible for {arch}: "
@@ -699,10 +704,17 @@ class ModelConfig:
                 f"ModelConfig.topk_group={self.topk_group} must be in [1, n_group={self.n_group}] and its groups must "
                 f"hold num_experts_per_tok={self.num_experts_per_tok} experts ({per_group} a group)"
             )
-        if self.n_shared_experts < 0 or not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+        if self.n_shared_experts < 1:
+            # transformers builds them 0 wide and saves their empty tensors, which areno's block has no place for
             raise ValueError(
-                f"ModelConfig.n_shared_experts={self.n_shared_experts} must be >= 0 and first_k_dense_replace="
-                f"{self.first_k_dense_replace} in [0, num_hidden_layers={self.num_hidden_layers}]"
+                f"ModelConfig.n_shared_experts={self.n_shared_experts} is not supported for {arch}: transformers "
+                "builds its shared experts moe_intermediate_size x n_shared_experts wide, empty tensors areno does "
+                "not hold (GLM-4.5, GLM-4.5-Air and GLM-4.6 have 1): set n_shared_experts >= 1"
+            )
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise ValueError(
+                f"ModelConfig.first_k_dense_replace={self.first_k_dense_replace} must be in [0, num_hidden_layers="
+                f"{self.num_hidden_layers}]"
             )
         if self.decoder_sparse_step != 1 or self.mlp_only_layers:
             raise ValueError(
@@ -1173,6 +1185,19 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+_MOE_INT_FIELDS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "decoder_sparse_step",
+    "shared_expert_intermediate_size",
+    "n_group",
+    "topk_group",
+    "n_shared_experts",
+    "first_k_dense_replace",
+)
+"""The expert counts and widths of ``ModelConfig``: ints (``_check_moe``)."""
+
 _BOUNDS: dict[str, tuple[str, str]] = {
     "attn_logit_softcapping": (GEMMA2, "Gemma 2's soft-capping"),
     "final_logit_softcapping": (GEMMA2, "Gemma 2's soft-capping"),
@@ -1278,7 +1303,7 @@ def _read_moe(arch: str, d: dict[str, Any]) -> dict[str, Any]:
             router_scoring="sigmoid",
             n_group=d["n_group"],
             topk_group=d["topk_group"],
-            routed_scaling_factor=float(d["routed_scaling_factor"]),
+            routed_scaling_factor=d["routed_scaling_factor"],  # checked (a positive float) and cast by ModelConfig
             n_shared_experts=d["n_shared_experts"],
             first_k_dense_replace=d["first_k_dense_replace"],
             num_experts_per_tok=d["num_experts_per_tok"],

@@ -37,7 +37,8 @@ _SHARD_DIM = {COLWISE: 0, ROWWISE: 1, REPLICATE: None}
 
 
 def tp_plan(config: ModelConfig) -> dict[str, str]:
-    """HF parameter-name pattern -> ``colwise`` / ``rowwise`` / ``replicate`` for every parameter."""
+    """HF parameter-name pattern -> ``colwise`` / ``rowwise`` / ``replicate`` for every tensor of the state dict
+    (parameters, and the buffers an engine holds and syncs: GLM-4.5's correction bias)."""
     layer = "model.layers.*."
     plan: dict[str, str] = {
         "model.embed_tokens.weight": REPLICATE,
@@ -75,9 +76,13 @@ def tp_plan(config: ModelConfig) -> dict[str, str]:
         names = ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
         if config.expert_bias:
             names += ["mlp.gate.bias", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias"]
+        if config.router_scoring == "sigmoid":  # GLM-4.5's correction bias, a buffer the engine holds too
+            names += ["mlp.gate.e_score_correction_bias"]
         if config.shared_expert_intermediate_size:  # Qwen2-MoE's shared expert and its gate
             names += [f"mlp.shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
             names += ["mlp.shared_expert_gate.weight"]
+        if config.n_shared_experts:  # GLM-4.5's shared experts, whole as the rest of the block
+            names += [f"mlp.shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
         for name in names:
             plan[f"{layer}{name}"] = REPLICATE
     if config.attention_sinks:  # one per query head, split with the heads

@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from areno.algo import bradley_terry_loss_B, dpo_loss_B, sequence_sum_B
+from areno.models import moe
 from areno.models.config import SEQUENCE_CLASSIFIER_SUFFIX, ModelConfig
 from areno.models.hf_io import build_model, save_model
 from areno.specializations.base import Metrics, ModelSpecialization, Reducer, check_arguments
@@ -244,10 +245,11 @@ def save_reward_model(state: dict[str, torch.Tensor], config: ModelConfig, out_d
     decoder_state = {name.removeprefix("decoder."): t for name, t in state.items() if name.startswith("decoder.")}
     dtype = next(iter(decoder_state.values())).dtype
     with torch.device("meta"):
-        decoder = build_model(config)
+        decoder = build_model(config).to(dtype)
+        moe.keep_routers_float32(decoder)  # GLM-4.5's, trained in float32: saved unrounded, as hf_io saves them
     decoder.to_empty(device="cpu")
     decoder.load_state_dict(decoder_state, strict=True)
-    out = save_model(decoder.to(dtype), config, out_dir)
+    out = save_model(decoder, config, out_dir)
     weights = out / "model.safetensors"
     tensors = {name: t for name, t in load_file(weights).items() if name != "lm_head.weight"}
     tensors["score.weight"] = state["score.weight"].detach().to("cpu", dtype).contiguous()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Glm4MoeConfig
 
 from areno.models import Decoder, ModelConfig, load_model, moe, save_model, tiny_config
+from areno.models.hf_io import read_config
 from areno.models.logprobs import packed_logprobs
 from tests.helpers.families import (
     assert_engine_decodes_as_recompute,
@@ -28,6 +30,7 @@ from tests.helpers.families import (
     packed_batch,
     reference_logprobs,
     saved_by_transformers,
+    saved_names,
 )
 
 SHAPE = dict(
@@ -163,6 +166,27 @@ def test_a_bf16_expert_block_rounds_as_transformers_rounds(tmp_path):
     assert not torch.equal(rounded_TD, expected_TD)
 
 
+def test_a_reward_model_export_of_a_bf16_model_keeps_its_routers_float32(tmp_path):
+    """``save_reward_model`` writes a bf16 reward model's decoder in bf16 but its routers in float32, their trained
+    values unrounded, as ``save_model`` writes a policy's."""
+    from areno.specializations.preference import save_reward_model
+
+    config = tiny_config(61, arch="glm4_moe", tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Decoder(config).to(torch.bfloat16)
+    moe.keep_routers_float32(model)  # as load_model builds a bf16 model
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.weight.normal_(0.0, 0.2)  # float32 values bf16 cannot hold
+        model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0.0, 0.3)
+    state = {f"decoder.{k}": t for k, t in model.state_dict().items()}
+    state["score.weight"] = torch.randn(1, config.hidden_size, dtype=torch.bfloat16)
+    stored = load_file(save_reward_model(state, config, tmp_path / "rm") / "model.safetensors")
+    for leaf in ("weight", "e_score_correction_bias"):
+        name = f"model.layers.1.mlp.gate.{leaf}"
+        assert stored[name].dtype == torch.float32 and torch.equal(stored[name], state[f"decoder.{name}"])
+    assert stored["model.layers.1.mlp.experts.0.up_proj.weight"].dtype == torch.bfloat16
+
+
 def test_routing_replay_routes_with_the_routers_own_weights(tmp_path):
     torch.manual_seed(0)
     model = Decoder(tiny_config(61, arch="glm4_moe", hidden_size=32, initializer_range=0.2))
@@ -244,6 +268,36 @@ def test_config_reads_transformers_keys_and_refuses_what_it_does_not_compute():
         from areno.models.tp_plan import check_tp_size
 
         check_tp_size(tiny, 2)
+
+
+def test_a_checkpoint_without_shared_experts_is_refused_in_one_line_before_its_weights_load(tmp_path):
+    """n_shared_experts=0: transformers builds the shared experts 0 wide and saves their empty tensors; areno
+    refuses the config by name as it reads config.json, before any tensor is read."""
+    shape = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=0)
+    saved_by_transformers(Glm4MoeConfig, tmp_path, **shape)
+    assert any(".shared_experts." in name for name in saved_names(tmp_path))  # the empty tensors
+    with pytest.raises(ValueError, match=r"n_shared_experts=0 is not supported .*: set n_shared_experts >= 1$") as e:
+        read_config(tmp_path)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="n_shared_experts=0 is not supported"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("n_group", 4.0, "ModelConfig.n_group must be an int, got 4.0"),  # a float fails the router's view
+        ("topk_group", None, "ModelConfig.topk_group must be an int, got None"),
+        ("first_k_dense_replace", True, "ModelConfig.first_k_dense_replace must be an int, got True"),
+        ("n_routed_experts", "8", "ModelConfig.num_experts must be an int, got '8'"),
+        ("routed_scaling_factor", None, "ModelConfig.routed_scaling_factor must be a positive float, got None"),
+    ],
+)
+def test_a_config_json_value_of_the_wrong_type_is_refused_in_one_line(key, value, message):
+    """Its routing fields as config.json may hold them wrongly: a one-line ValueError naming the field, not a
+    TypeError, and never a config accepted that fails in the forward."""
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        ModelConfig.from_hf({**tiny_config(61, arch="glm4_moe").to_hf(), key: value})
 
 
 def _fsdp_worker(rank, world, model_dir, out):

@@ -37,6 +37,32 @@ def test_plan_covers_every_parameter(kw):
         tp_style(plan, "model.layers.0.self_attn.rotary.weight")
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(arch="glm4_moe", first_k_dense_replace=1, n_shared_experts=2),
+        dict(arch="glm4_moe", first_k_dense_replace=0, n_shared_experts=1),
+        dict(arch="qwen2_moe", layers=3, mlp_only_layers=(1,)),
+        dict(arch="granitemoe"),
+        dict(arch="olmoe", attention_bias=True, attention_out_bias=True),
+        dict(arch="gpt_oss"),
+    ],
+)
+def test_plan_covers_every_tensor_of_an_expert_model(kw):
+    """Every state-dict tensor of an expert model has a style (the rollout workers' ``full_meta`` reads one for
+    each live tensor): its sparse blocks whole, shared experts and GLM-4.5's correction-bias buffer among them."""
+    config = tiny_config(VOCAB, **kw)
+    plan = tp_plan(config)
+    styles = {name: tp_style(plan, name) for name in Decoder(config).state_dict()}
+    block = {
+        name: style
+        for name, style in styles.items()
+        if ".mlp." in name and config.is_moe_layer(int(name.split(".")[2]))
+    }
+    assert block and set(block.values()) == {"replicate"}
+    assert styles["model.layers.0.self_attn.q_proj.weight"] == "colwise"
+
+
 class _ThreadAllReduce:
     """An in-process stand-in for dist.all_reduce: ``tp`` threads each call it with their partial
     tensor and all get the sum (the real engine passes a torch.distributed all-reduce)."""

@@ -68,11 +68,14 @@ def test_nccl_without_cuda_is_refused_before_anything_starts(tmp_path, monkeypat
 @pytest.fixture
 def stand_in(tmp_path, monkeypatch):
     """A ``ServerRolloutSide`` with nccl whose 'started' server is the stand-in and whose group records."""
+    return _stand_in(tmp_path, monkeypatch, dict(hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate_size=64))
+
+
+def _stand_in(tmp_path, monkeypatch, tiny: dict):
+    """``stand_in`` for a model of ``tiny_config(**tiny)``."""
     tok = build_char_tokenizer()
     model = tmp_path / "model"
-    init_model_dir(
-        model, tiny_config(len(tok), hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate_size=64), tok
-    )
+    init_model_dir(model, tiny_config(len(tok), **tiny), tok)
     group = RecordingGroup()
 
     def join(address, port, world_size):
@@ -138,6 +141,34 @@ def test_nccl_sync_sends_vllms_weight_transfer_calls_in_order(stand_in, tmp_path
     assert [n for n, _ in group.sent] == info["names"]  # broadcast in the announced order, as announced
     assert all(t.dtype is torch.bfloat16 for _, t in group.sent)
     assert side.version == 1 and metrics["policy_sync_load_s"] >= 0
+
+
+def test_nccl_sync_sends_glm4_moes_float32_routers_in_float32(tmp_path, monkeypatch):
+    """GLM-4.5's routers (weight and correction bias), which vLLM holds in float32, are announced and broadcast
+    in float32 on a bf16 transfer, their values unrounded; every other tensor in bf16."""
+    model, tok, group = _stand_in(tmp_path, monkeypatch, dict(arch="glm4_moe", hidden_size=32, layers=2, heads=2))
+    weights, _ = load_model(model)
+    with torch.no_grad():
+        weights.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0.0, 0.3)
+    routers = {f"model.layers.1.mlp.gate.{leaf}" for leaf in ("weight", "e_score_correction_bias")}
+    app = fake_vllm_app(model, tok.eos_token_id)
+    with serving(app) as url:
+        side = _side(tmp_path, model, app, monkeypatch, url)
+        try:
+            source = NamedTensorSource(lambda: list(weights.state_dict().items()))
+            app.state.calls.clear()
+            side.update_weights(WeightUpdate(version=1, kind=WeightKind.IN_PROCESS, source=source))
+        finally:
+            side.shutdown()
+    info = app.state.calls[2][1]["update_info"]
+    announced = dict(zip(info["names"], info["dtype_names"]))
+    assert {n for n, d in announced.items() if d == "float32"} == routers
+    assert set(announced.values()) == {"float32", "bfloat16"}
+    sent = dict(group.sent)
+    assert [n for n, _ in group.sent] == info["names"]
+    for name in routers:
+        assert torch.equal(sent[name], weights.state_dict()[name])  # float32, not rounded to bf16
+    assert all(t.dtype == torch.bfloat16 for n, t in sent.items() if n not in routers)
 
 
 def test_nccl_needs_the_weight_transfer_routes(stand_in, tmp_path, monkeypatch):

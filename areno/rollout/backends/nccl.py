@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
@@ -54,8 +54,10 @@ class NcclWeightTransfer:
     """The trainer's half of vLLM's NCCL weight transfer to ``urls`` (see the module docstring).
 
     ``admin``: the servers' routes (``VLLMAdmin``). ``dtype``/``device``: what the servers hold and
-    where the broadcast runs (each tensor is cast and moved before it is sent). ``join(address,
-    port, world_size) -> group`` and ``send(tensors, group)``: vLLM's trainer side by default."""
+    where the broadcast runs (each tensor is cast and moved before it is sent). ``float32_names``: the
+    tensors the servers hold in float32 whatever ``dtype`` (GLM-4.5's routers, ``moe.float32_names``),
+    sent and announced in float32 so that a bf16 wire does not round them. ``join(address, port,
+    world_size) -> group`` and ``send(tensors, group)``: vLLM's trainer side by default."""
 
     def __init__(
         self,
@@ -67,11 +69,13 @@ class NcclWeightTransfer:
         device: torch.device,
         master_address: str,
         master_port: int,
+        float32_names: Collection[str] = (),
         join: Callable[[str, int, int], Any] = vllm_trainer_group,
         send: Callable[[Iterable[tuple[str, torch.Tensor]], Any], None] = vllm_send,
     ) -> None:
         self.admin, self.urls, self.tp = admin, list(urls), tp
         self.dtype, self.device = dtype, device
+        self.float32_names = frozenset(float32_names)
         self.master_address, self.master_port = master_address, master_port
         self._join, self._send = join, send
         self.group: Any = None
@@ -105,13 +109,13 @@ class NcclWeightTransfer:
         assert self.group is not None, "start() the transfer first"
         info = {
             "names": [name for name, _, _ in meta],
-            "dtype_names": [str(self.dtype).removeprefix("torch.")] * len(meta),
+            "dtype_names": [str(self._wire_dtype(name)).removeprefix("torch.") for name, _, _ in meta],
             "shapes": [list(shape) for _, shape, _ in meta],
             "packed": True,
         }
         for url in self.urls:
             self.admin.start_weight_update(url)
-        cast = ((name, t.to(device=self.device, dtype=self.dtype)) for name, t in tensors)
+        cast = ((name, t.to(device=self.device, dtype=self._wire_dtype(name))) for name, t in tensors)
         # the broadcast runs in a thread too: a server that refuses its update must stop the run
         # rather than leave this thread waiting on a collective nobody else joins
         receiving = [_in_daemon_thread(self.admin.update_weights_nccl, url, info) for url in self.urls]
@@ -119,6 +123,10 @@ class NcclWeightTransfer:
         _all_or_first_error([*receiving, sending], "the NCCL weight transfer")
         for url in self.urls:
             self.admin.finish_weight_update(url)
+
+    def _wire_dtype(self, name: str) -> torch.dtype:
+        """The dtype tensor ``name`` is announced and broadcast in (vLLM's packed broadcast takes one per tensor)."""
+        return torch.float32 if name in self.float32_names else self.dtype
 
 
 def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
