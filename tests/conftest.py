@@ -9,6 +9,16 @@ import torch
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """A run in this process sets its ``cluster.cpu_threads`` (the shipped demo config's is 2) and keeps it:
+    one thread again after each test, else every later test in that xdist worker runs two OpenMP threads
+    beside the other worker and its small matmuls slow down many times over."""
+    yield
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

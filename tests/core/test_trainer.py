@@ -228,18 +228,13 @@ def test_unknown_workflow_kwarg_is_one_line(tmp_path):
     assert "\n" not in str(info.value)
 
 
-def test_python_m_areno_train_selects_the_algorithm(tmp_path):
-    import subprocess
-    import sys
+def test_areno_train_algorithm_flag_selects_the_algorithm(tmp_path, capsys):
+    """In this process: ``python -m areno``'s exit code from a fresh interpreter is
+    tests/core/test_errors.py's test_unknown_recipe_fails_before_the_warm_start."""
+    from areno.cli import main
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "areno", "train", "--algorithm", "grpoo", f"model.path={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2
-    assert "unknown recipe 'grpoo': did you mean grpo" in proc.stderr
+    assert main(["train", "--algorithm", "grpoo", f"model.path={tmp_path}"]) == 2
+    assert "unknown recipe 'grpoo': did you mean grpo" in capsys.readouterr().err
 
 
 def test_long_sequences_error_or_truncate_from_config(tmp_path):
