@@ -36,6 +36,7 @@ import importlib
 import inspect
 import itertools
 import re
+import typing
 from pathlib import Path
 from types import ModuleType
 from unittest import mock
@@ -48,6 +49,7 @@ from areno.cli import DELEGATED, build_parser, launch_parser
 from areno.engine.config import ArenoConfig
 from areno.recipes import TRAINING_CONFIGS
 from areno.recipes.registry import REFERENCE_SYNC_OPTIONS, recipe_options
+from tests.helpers.metrics_doc import documented_keys, undocumented
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -73,10 +75,11 @@ FILE_SUFFIXES = {
 """A dotted span ending in one of these is a file name (``moe.py``, ``config.yaml``), not an attribute."""
 
 ALLOWED = {
-    "config.train.steps": "an ArenoConfig object's attribute path in Python, not the module areno.*.config",
+    "config.train.stpes": "the misspelling docs/python.md shows refused",
     "train.stpes": "the misspelling docs/python.md shows refused",
     "train.algorithm_kwargs.temperature": "the option docs/recipes.md says is refused (rollout.temperature sets it)",
     "tokenizer.encode": "a Hugging Face tokenizer's method, not the module areno.data.tokenizer",
+    "train/policy/reinforce/advantage": "the figure docs/recipes.md's example recipe logs, a user's own metric",
 }
 """Names that look like areno's but are deliberately something else, with why."""
 VARIABLES = {
@@ -250,6 +253,17 @@ def _statically_defined(module: str, name: str) -> bool:
     return False
 
 
+def _field_class(cls: object, attr: str) -> type | None:
+    """The dataclass that field ``attr`` of dataclass ``cls`` holds, where its annotation names one."""
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        return None
+    try:
+        hint = typing.get_type_hints(cls).get(attr)
+    except NameError:  # an annotation only a type checker resolves
+        return None
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+
+
 def _walk(module: str, attrs: list[str]) -> str | None:
     """Why ``module`` then ``attrs`` does not resolve; None if it does."""
     try:
@@ -264,6 +278,8 @@ def _walk(module: str, attrs: list[str]) -> str | None:
             obj = importlib.import_module(f"{where}.{attr}")
         elif hasattr(obj, attr):
             obj = getattr(obj, attr)
+        elif _field_class(obj, attr) is not None:  # `config.train.steps`: ArenoConfig.train holds a TrainSection
+            obj = _field_class(obj, attr)
         elif isinstance(obj, type) and attr in _instance_attributes(obj):
             return None  # an instance's attribute: what it holds is not known here
         else:
@@ -289,7 +305,11 @@ def _candidates(parts: list[str]) -> list[tuple[str, list[str]]] | None:
     if parts[0] in basenames:
         modules = basenames[parts[0]]
         # a variable named after its module (`engine.step`, `trainer.backend`): one of its classes' instances
-        instances = [(m, [c, *parts[1:]]) for m in modules for c in _classes(m)] if parts[1][:1].islower() else []
+        instances = (
+            [(m, [c, *parts[1:]]) for m in modules for c in _classes(m)]
+            if parts[1:2] and parts[1][:1].islower()
+            else []
+        )
         return [(m, parts[1:]) for m in modules] + instances
     if parts[0] in defined:
         return [(m, parts) for m in defined[parts[0]]]
@@ -318,12 +338,17 @@ MODULE_NAME = re.compile(r"(?<![\w.])(areno(?:\.\w+)+:\w+)")
 
 
 def dotted_names() -> list[tuple[Span, str]]:
-    """The spans that are a dotted name (``a.b.c``, ``a.b()``, ``a.b(x, y)``) whose first part is areno's
-    and that are no config key, and every ``areno.module:name`` in a span."""
+    """The spans that start with a dotted name (``a.b.c``, ``a.b(x, y)``, ``a.b == 1``, ``a.b["k"]``) whose
+    first part is areno's and that are no config key, every ``areno.module:name`` in a span, and the names
+    of a ``from areno... import`` span."""
     found = []
     for span in spans():
         found += [(span, n) for n in MODULE_NAME.findall(span.text)]
-        match = re.fullmatch(rf"({DOTTED.pattern})(?:\(.*\))?", span.text)
+        imported = re.fullmatch(r"from (areno(?:\.\w+)*) import ([\w, ]+)", span.text)
+        if imported:  # `from areno.api import Trainer, load_config`
+            found += [(span, f"{imported.group(1)}:{n.strip()}") for n in imported.group(2).split(",")]
+            continue
+        match = re.match(rf"({DOTTED.pattern})(?=$|\(|\[| ?==?)", span.text)  # a.b, a.b(..), a.b[..], a.b == ..
         name = match and match.group(1)
         if name is None or name in ALLOWED:
             continue
@@ -333,6 +358,40 @@ def dotted_names() -> list[tuple[Span, str]]:
         if parts[0] == "bench" or _candidates(parts) is not None:
             found.append((span, name))
     return found
+
+
+def _resolved(name: str) -> list[object]:
+    """The class or function areno's ``name`` (by its name or dotted path) is, in each reading that
+    resolves to one."""
+    found = []
+    for module, attrs in _candidates(name.split(".")) or []:
+        if _walk(module, attrs) is None:
+            obj: object = importlib.import_module(module)
+            for attr in attrs:
+                obj = getattr(obj, attr, None)
+            if callable(obj):
+                found.append(obj)
+    return found
+
+
+def keyword_arguments() -> list[tuple[Span, str, str]]:
+    """``(span, callable, keyword)`` of every ``Name(keyword=...)`` in a span whose ``Name`` is areno's
+    class or function (``AgentWorkflow(proxy=True)``, ``RecipeRunner(placement=)``)."""
+    found = []
+    for span in spans():
+        for name, arguments in re.findall(r"(?<![\w.])([A-Za-z_][\w.]*)\((.*?)\)", span.text):
+            if _resolved(name):
+                found += [(span, name, k) for k in re.findall(r"(?:^|,)\s*(\w+)=", arguments)]
+    return found
+
+
+def stale_keyword(name: str, keyword: str) -> str | None:
+    """Why ``name`` takes no ``keyword``; None if one of its readings does (or takes ``**kwargs``)."""
+    for obj in _resolved(name):
+        parameters = inspect.signature(obj).parameters.values()
+        if any(p.name == keyword or p.kind is p.VAR_KEYWORD for p in parameters):
+            return None
+    return f"{name} takes no {keyword}="
 
 
 # --- config keys --------------------------------------------------------------------------------------
@@ -483,13 +542,31 @@ def areno_code() -> str:
 
 def metric_keys() -> list[tuple[Span, str]]:
     """The keys of docs/metrics.md's tables (the backticked names of a row's first cell)."""
-    doc = ROOT / "docs" / "metrics.md"
+    return [(Span("docs/metrics.md", line, key), key) for line, key in documented_keys()]
+
+
+METRIC = re.compile(r"(?:rollout|train|eval|test|timing|system)/[\w@<>{},.*/-]*[\w>*}]|policy_sync_[\w<>*]+")
+
+
+def metric_mentions() -> list[tuple[Span, str]]:
+    """Every span that is a metric key (``rollout/reward_mean``, ``policy_sync_*``, ``eval/pass@<k>``), a
+    ``{a,b}`` one read as each of its keys; docs/metrics.md's table keys are not mentions of themselves."""
+    tables = {(line, key) for line, key in documented_keys()}
     found = []
-    for number, line in enumerate(doc.read_text().splitlines(), 1):
-        first = re.match(r"^\| (.*?) \| ", line)
-        if first is not None:
-            found += [(Span("docs/metrics.md", number, k), k) for k in re.findall(r"`([^`]+)`", first.group(1))]
+    for span in spans():
+        if not METRIC.fullmatch(span.text) or span.text.rpartition(".")[2] in FILE_SUFFIXES or span.text in ALLOWED:
+            continue
+        if span.doc != "docs/metrics.md" or (span.line, span.text) not in tables:
+            found += [(span, key) for key in _alternatives(span.text.replace("...", "<name>"))]
     return found
+
+
+def stale_mention(key: str) -> str | None:
+    """Why the metric ``key`` named in a doc is none docs/metrics.md documents (a glob, placeholders
+    included: matches none)."""
+    if "*" in key:
+        return None if fnmatch.filter([k for _, k in documented_keys()], key) else f"{key} matches no documented key"
+    return f"{key} is not in docs/metrics.md's tables" if undocumented({key}) else None
 
 
 def stale_metric(key: str) -> str | None:
@@ -520,6 +597,12 @@ def test_every_areno_name_the_docs_give_resolves():
     assert _stale(found, stale_dotted) == []
 
 
+def test_every_keyword_the_docs_give_an_areno_callable_is_a_parameter():
+    found = keyword_arguments()
+    assert len(found) > 15
+    assert _stale(found, stale_keyword) == []
+
+
 def test_every_config_key_the_docs_give_is_a_setting():
     found = config_keys() + yaml_keys()
     assert len(found) > 300 and len(yaml_keys()) > 10
@@ -538,6 +621,12 @@ def test_every_metric_docs_metrics_md_lists_is_built_by_the_code():
     assert _stale(found, stale_metric) == []
 
 
+def test_every_metric_the_docs_name_is_in_docs_metrics_md():
+    found = metric_mentions()
+    assert len(found) > 100
+    assert _stale(found, stale_mention) == []
+
+
 def test_the_checks_catch_stale_names():
     assert stale_path("areno/models/moe.py") is None and stale_path("tests/models/test_<family>.py") is None
     assert stale_path("areno/models/no_such.py") and stale_path("examples/{dapo_sort,no_such}.yaml")
@@ -545,6 +634,8 @@ def test_the_checks_catch_stale_names():
     assert stale_dotted("moe.SigmoidRouter") is None and stale_dotted("areno.rewards.math:math_verify") is None
     assert stale_dotted("moe.NoSuchRouter") and stale_dotted("areno.engine.no_such_module")
     assert stale_dotted("Decoder.no_such_attribute") and stale_dotted("areno.rewards.math:no_such")
+    assert stale_dotted("config.train.steps") is None and stale_dotted("config.train.no_such_setting")
+    assert stale_keyword("AgentWorkflow", "proxy") is None and stale_keyword("AgentWorkflow", "no_such")
     assert stale_key("rollout.max_head_offpolicyness") is None and stale_key("train.algorithm_kwargs.KEY") is None
     assert stale_key("rollout.no_such_key") and stale_key("train.lora.no_such_key")
     assert stale_key("train.algorithm_kwargs.kl_coef") is None and stale_key("train.algorithm_kwargs.no_such_option")
@@ -552,3 +643,18 @@ def test_the_checks_catch_stale_names():
     assert stale_command("train", ["--no-such-flag"]) and stale_command("no-such-command", [])
     assert stale_command("launch allocation", ["--devices"]) is None and stale_command("doctor", ["--nope"])
     assert stale_metric("rollout/reward/<name>_mean") is None and stale_metric("rollout/no_such_figure_mean")
+    assert stale_mention("eval/gsm8k/accuracy") is None and stale_mention("policy_sync_*") is None
+    assert stale_mention("rollout/no_such_figure") and stale_mention("train/no_such_*")
+
+
+def test_a_module_that_needs_a_missing_extra_is_read_without_importing_it(monkeypatch):
+    import_module = importlib.import_module
+
+    def without_vllm(name: str, *args):
+        if name == "areno.models.moe":
+            raise ModuleNotFoundError("No module named 'vllm'", name="vllm")
+        return import_module(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", without_vllm)
+    assert _walk("areno.models.moe", ["SigmoidRouter", "anything"]) is None
+    assert _walk("areno.models.moe", ["NoSuchRouter"]) == "areno.models.moe has no NoSuchRouter"

@@ -3,34 +3,11 @@ without its line (what it is, its unit and aggregation)."""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 
 from areno.api.config import load_config
 from tests.helpers.configs import run_to_end, tiny_run_overrides
-
-DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
-
-
-def documented_patterns() -> list[re.Pattern]:
-    """The keys of docs/metrics.md's tables (the backticked names of a row's first cell) as regular
-    expressions, a ``<placeholder>`` standing for one name (no ``/``)."""
-    patterns = []
-    for line in DOC.read_text().splitlines():
-        first = re.match(r"^\| (.*?) \| ", line)
-        if first is None:
-            continue
-        for key in re.findall(r"`([^`]+)`", first.group(1)):
-            parts = re.split(r"<[a-z]+>", key)
-            patterns.append(re.compile("[A-Za-z0-9_@.]+".join(map(re.escape, parts)) + "$"))
-    return patterns
-
-
-def undocumented(keys: set[str]) -> list[str]:
-    patterns = documented_patterns()
-    return sorted(k for k in keys if not any(p.match(k) for p in patterns))
+from tests.helpers.metrics_doc import DOC, undocumented
 
 
 def test_the_matcher_reads_placeholders_and_rejects_others():
