@@ -4,8 +4,8 @@ into the repository resolves there, so a rename that forgets a doc fails here.
 Five kinds are checked, each where it can be without false alarms:
 
 - repository paths (``areno/models/moe.py``, ``tests/core/test_layers.py::test_name``, globs, ``{a,b}``
-  alternatives, ``<placeholder>`` parts) exist; a ``::test`` names a function of that file, a ``:line`` a
-  line it has;
+  alternatives, ``<placeholder>`` parts), bare test file names and relative markdown links exist; a
+  ``::test`` names a function of that file, a ``:line`` a line it has, a link's ``#anchor`` a heading;
 - dotted names whose first part is areno's (``areno.engine.seams``, a module by its unique basename
   ``moe.SigmoidRouter``, a class or function by its name ``ModelRole.sync_to_rollout``, ``module:name``)
   resolve by import and ``getattr``; an attribute a class sets on its instances (``self.x = ...``, a
@@ -35,6 +35,7 @@ import functools
 import importlib
 import inspect
 import itertools
+import os
 import re
 import typing
 from pathlib import Path
@@ -154,9 +155,22 @@ def _alternatives(path: str) -> list[str]:
     return ["".join(c) for c in itertools.product(*choices)]
 
 
+@functools.cache
+def _headings(doc: Path) -> frozenset[str]:
+    """The anchors of ``doc``'s headings as GitHub makes them (lower case, punctuation dropped, ``-`` for spaces)."""
+    if not doc.is_file():
+        return frozenset()
+    text = FENCED.sub("", doc.read_text())
+    titles = re.findall(r"^#+\s+(.*?)\s*$", text, re.M)
+    return frozenset(re.sub(r"[^\w\- ]", "", t.lower()).replace(" ", "-") for t in titles)
+
+
 def stale_path(text: str) -> str | None:
     """Why the repository path ``text`` (``file``, ``file::test``, ``file:line``, a glob) is stale; None if not."""
     text = text.rstrip(".,;:)")
+    text, _, anchor = text.partition("#")
+    if anchor and anchor not in _headings(ROOT / text):
+        return f"{text} has no heading #{anchor}"
     path, _, where = text.partition("::") if "::" in text else text.partition(":")
     for alt in _alternatives(path):
         if any(c in alt for c in "*?["):
@@ -180,13 +194,19 @@ TEST_FILE = re.compile(r"(?<![\w./-])(test_\w+\.py)(?:::\w+)?(?![\w/])")
 
 
 def path_names() -> list[tuple[Span, str]]:
-    """Every repository path in a span, and every bare test file name (``test_stop_signal.py``) as the
-    one file of that name under tests/."""
+    """Every repository path in a span, every bare test file name (``test_stop_signal.py``) as the one
+    file of that name under tests/, and the target of every relative markdown link."""
     found = [(s, p) for s in spans() for p in PATH.findall(s.text)]
     for span in spans():
         for name in TEST_FILE.findall(span.text):
             hits = [str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob(name)]
             found.append((span, hits[0] if len(hits) == 1 else f"tests/**/{name}"))
+    for doc in DOCS:  # the targets of relative markdown links, from the doc's directory
+        text = FENCED.sub(lambda m: "\n" * m.group(0).count("\n"), doc.read_text())
+        for link in re.finditer(r"\]\(([^)\s#:]*)(#[^)\s]*)?\)", text):
+            path, anchor = link.group(1), link.group(2) or ""
+            target = os.path.relpath(doc.parent / path if path else doc, ROOT) + anchor
+            found.append((Span(str(doc.relative_to(ROOT)), _line(text, link.start()), link.group(0)), target))
     return found
 
 
@@ -631,6 +651,7 @@ def test_the_checks_catch_stale_names():
     assert stale_path("areno/models/moe.py") is None and stale_path("tests/models/test_<family>.py") is None
     assert stale_path("areno/models/no_such.py") and stale_path("examples/{dapo_sort,no_such}.yaml")
     assert stale_path("tests/core/test_layers.py::test_no_such_test") and stale_path("bench/no_*.py")
+    assert stale_path("docs/launch.md#ray") is None and stale_path("docs/launch.md#no-such-heading")
     assert stale_dotted("moe.SigmoidRouter") is None and stale_dotted("areno.rewards.math:math_verify") is None
     assert stale_dotted("moe.NoSuchRouter") and stale_dotted("areno.engine.no_such_module")
     assert stale_dotted("Decoder.no_such_attribute") and stale_dotted("areno.rewards.math:no_such")
