@@ -9,8 +9,10 @@ Five kinds are checked, each where it can be without false alarms:
 - dotted names whose first part is areno's (``areno.engine.seams``, a module by its unique basename
   ``moe.SigmoidRouter``, a class or function by its name ``ModelRole.sync_to_rollout``, ``module:name``)
   resolve by import and ``getattr``; an attribute a class sets on its instances (``self.x = ...``, a
-  class-level annotation, a dataclass field) counts, and the walk stops there; a module that needs a
-  missing optional extra (vllm, ray) is read statically;
+  class-level annotation, a dataclass field) counts, and the walk goes on only into a dataclass field's
+  dataclass; a lower-case name that is a module's may also be a variable holding one of its classes
+  (``engine.step``, ``trainer.backend``), ``VARIABLES`` names the others; a module that needs a missing
+  optional extra (vllm, ray) is read statically; ``Name(keyword=...)`` gives a parameter ``Name`` takes;
 - config keys (``rollout.max_head_offpolicyness``, ``train.lora.rank``, the overrides of an ``areno``
   command, the keys of a config's YAML block) are settings of ``ArenoConfig``: found by the walk
   ``load_config`` types a refused override with (``areno.api.config._schema_type``), a stale one told in
@@ -19,7 +21,8 @@ Five kinds are checked, each where it can be without false alarms:
 - ``areno <command> --flag`` names a subcommand of ``areno.cli.build_parser`` (and of ``areno launch``)
   and an option its parser takes; the delegated commands' parsers are caught as their ``main`` parses;
 - the metric keys of docs/metrics.md are built by areno's code (the words of their last part are in it
-  outside docstrings and comments): the reverse of tests/observe/test_metrics_documented.py.
+  outside docstrings and comments): the reverse of tests/observe/test_metrics_documented.py; and a
+  metric key any doc names is one docs/metrics.md's tables document.
 
 Of the fenced blocks only the ``areno`` command lines of shell blocks and the config YAML blocks are read
 (docs/python.md's blocks run as a test of their own).
@@ -54,25 +57,8 @@ from tests.helpers.metrics_doc import documented_keys, undocumented
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^\s*```.*?^\s*```", re.S | re.M)
 SPAN = re.compile(r"`([^`\n]+)`")
-FILE_SUFFIXES = {
-    "py",
-    "json",
-    "jsonl",
-    "yaml",
-    "yml",
-    "md",
-    "pt",
-    "png",
-    "toml",
-    "lark",
-    "tmp",
-    "txt",
-    "html",
-    "sh",
-    "lock",
-}
+FILE_SUFFIXES = frozenset("py json jsonl yaml yml md pt png toml lark tmp txt html sh lock".split())
 """A dotted span ending in one of these is a file name (``moe.py``, ``config.yaml``), not an attribute."""
 
 ALLOWED = {
@@ -82,7 +68,7 @@ ALLOWED = {
     "tokenizer.encode": "a Hugging Face tokenizer's method, not the module areno.data.tokenizer",
     "train/policy/reinforce/advantage": "the figure docs/recipes.md's example recipe logs, a user's own metric",
 }
-"""Names that look like areno's but are deliberately something else, with why."""
+"""Names that look like areno's but are deliberately something else, with why (checked by no kind)."""
 VARIABLES = {
     "client": ("areno.rollout.client.RolloutClient", "areno.workflows.openai_client.ArenoAsyncOpenAI"),
 }
@@ -190,7 +176,7 @@ def stale_path(text: str) -> str | None:
     return None
 
 
-TEST_FILE = re.compile(r"(?<![\w./-])(test_\w+\.py)(?:::\w+)?(?![\w/])")
+TEST_FILE = re.compile(r"(?<![\w./-])(test_\w+\.py)((?:::\w+)?)(?![\w/])")
 
 
 def path_names() -> list[tuple[Span, str]]:
@@ -198,9 +184,9 @@ def path_names() -> list[tuple[Span, str]]:
     file of that name under tests/, and the target of every relative markdown link."""
     found = [(s, p) for s in spans() for p in PATH.findall(s.text)]
     for span in spans():
-        for name in TEST_FILE.findall(span.text):
+        for name, test in TEST_FILE.findall(span.text):
             hits = [str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob(name)]
-            found.append((span, hits[0] if len(hits) == 1 else f"tests/**/{name}"))
+            found.append((span, (hits[0] if len(hits) == 1 else f"tests/**/{name}") + test))
     for doc in DOCS:  # the targets of relative markdown links, from the doc's directory
         text = FENCED.sub(lambda m: "\n" * m.group(0).count("\n"), doc.read_text())
         for link in re.finditer(r"\]\(([^)\s#:]*)(#[^)\s]*)?\)", text):
