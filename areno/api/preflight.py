@@ -50,11 +50,14 @@ from areno.engine.config import (
 )
 from areno.engine.partitioned import PartitionedCluster, is_partitioned, warn_cpu_oversubscription
 from areno.engine.roles import check_partitioned_roles, places_roles, role_allocation
+from areno.engine.servers import check_served_model
 from areno.errors import ConfigError, DataError, ModelDirError
 from areno.launch.allocation import resolve_roles
+from areno.launch.servers import check_server_install
 from areno.models.checkpoint_dirs import STEP_DIR, newest_checkpoint
 from areno.models.config import SEQUENCE_CLASSIFIER_SUFFIX, ModelConfig
 from areno.models.hf_io import (
+    build_model,
     check_tiny_arguments,
     missing_model_dir,
     open_safetensors,
@@ -76,6 +79,7 @@ from areno.specializations import (
     SequenceScorerSpecialization,
 )
 from areno.train import checkpoint
+from areno.train.lora import apply_lora
 from areno.workflows.base import (
     check_workflow_arguments,
     declares_no_reward_parts,
@@ -159,6 +163,8 @@ def check_run(config: ArenoConfig) -> None:
         if role.model_path:  # a teacher or another model than the policy
             check_model_files(Path(role.model_path), key=f"role {role.name!r} model_path")
     tokenizer = check_model(config)
+    check_served_model_at_start(config)
+    check_lora_targets(config, recipe)
     check_role_vocabularies(config, recipe, tokenizer)
     check_chat_template(
         tokenizer, config.data.chat_template, config.data.system_prompt, config.data.chat_template_kwargs
@@ -608,6 +614,32 @@ def check_model(config: ArenoConfig) -> Any:
         raise ModelDirError(f"model.path: the tokenizer in {path} has no eos_token: set one in tokenizer_config.json")
     check_tokenizer_fits(tokenizer, model_config.vocab_size, path)
     return tokenizer
+
+
+def check_served_model_at_start(config: ArenoConfig) -> None:
+    """With vLLM or SGLang rollouts: the server's package is installed (unless the servers are the user's), and it
+    serves ``model.path`` as areno trains it (``check_served_model``), before any model loads (a model
+    ``model.init_tiny`` makes at start-up is checked when it is, before any server starts)."""
+    backend = resolve_rollout_backend(config.rollout.backend, config.cluster.allocation_mode)
+    if backend == "areno":
+        return
+    if not config.rollout.servers:
+        check_server_install(backend)
+    path = Path(config.model.path)
+    if (path / "config.json").is_file():
+        check_served_model(backend, path, json.loads((path / "config.json").read_text(encoding="utf-8")))
+
+
+def check_lora_targets(config: ArenoConfig, recipe: TrainingConfig) -> None:
+    """``train.lora.target_modules`` adapt linear layers the trained roles' model has and areno merges: LoRA applied
+    to the model built on the meta device (no weights read), so a misspelt name or an expert projection is one line
+    before any weights load."""
+    if config.train.lora is None or not any(role.trainable and not role.model_path for role in recipe.roles):
+        return
+    model = run_model_config(config)
+    with torch.device("meta"):
+        decoder = build_model(model)
+    apply_lora(decoder, config.train.lora)
 
 
 def check_tokenizer_fits(tokenizer: Any, vocab_size: int, path: Path) -> None:
