@@ -1016,9 +1016,18 @@ def path_setting(config: ArenoConfig, value: str, fallback: str) -> str:
 
 def check_model_path_option(key: str, path: Path) -> None:
     """A ModelDirError when ``path`` (setting ``key``), with no config.json of its own, is an areno run
-    directory, its ``checkpoints/`` or a checkpoint ``step_N``: it names the ``step_N/hf`` to pass."""
+    directory, its ``checkpoints/`` or a checkpoint ``step_N``: it names the ``step_N/hf`` to pass; or a PEFT
+    adapter (a LoRA run's ``<role>/adapter``), which holds no model: it names the merged export or the base."""
     if (path / "config.json").is_file() or not path.is_dir():
         return
+    if (path / "adapter_config.json").is_file():
+        step = path.parent.parent
+        merged = step / "hf" if STEP_DIR.match(step.name) and (step / "hf").is_dir() else None
+        raise ModelDirError(
+            f"{key}: {path} is a LoRA adapter, not a model directory: pass "
+            + (f"its checkpoint's merged Hugging Face export, {merged}" if merged else "a merged model")
+            + ", or the model it adapts with train.lora to train new adapters"
+        )
     if STEP_DIR.match(path.name) and (path / "hf").is_dir():
         raise ModelDirError(
             f"{key}: {path} is an areno checkpoint, not a model directory: pass its Hugging Face export, {path / 'hf'}"

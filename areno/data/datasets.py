@@ -244,8 +244,11 @@ def _is_preference_row(row: object, prompt_key: str) -> bool:
 def _row_problem(row: object, prompt_key: str, answer_key: str | None) -> str | None:
     """What is wrong with one row, and the fix (None: nothing)."""
     fix = "set data.prompt_key to the field that holds the prompt"
-    if not isinstance(row, dict):
-        return f"no string field {prompt_key!r} (the row is a JSON {_json_type(row)}, not an object; {fix})"
+    if not isinstance(row, dict):  # no field to name: the fix is the row's shape
+        return (
+            f"no string field {prompt_key!r} (the row is a JSON {_json_type(row)}, not an object; write each row as "
+            f"an object holding its fields, {{{prompt_key!r}: ...}})"
+        )
     fields = ", ".join(map(repr, list(row)[:8])) or "none"
     if prompt_key not in row and isinstance(row.get(PAIR_KEYS[0]), list):
         return (

@@ -76,3 +76,19 @@ def test_check_refuses_a_server_rollout_of_a_model_areno_serves_alone(tmp_path, 
 def test_check_names_a_server_package_that_is_not_installed(tmp_path, capsys):
     err = _check(tmp_path, capsys, "rollout.backend=vllm")
     assert len(err) == 1 and err[0].startswith("areno: error: rollout.backend=vllm: vllm is not installed in "), err
+
+
+def test_model_path_at_a_lora_adapter_names_the_merged_export(tmp_path, capsys):
+    """A LoRA run's ``<role>/adapter`` (PEFT's files, no config.json) was "config.json not found"."""
+    step = tmp_path / "lora_run" / "checkpoints" / "step_00000002"
+    (step / "policy" / "adapter").mkdir(parents=True)
+    (step / "policy" / "adapter" / "adapter_config.json").write_text("{}")
+    (step / "hf").mkdir()
+    (step / "hf" / "config.json").write_text("{}")
+    adapter = step / "policy" / "adapter"
+    err = _check(tmp_path, capsys, f"model.path={adapter}", "model.init_tiny=null")
+    assert err == [
+        f"areno: error: model.path: {adapter} is a LoRA adapter, not a model directory: pass its checkpoint's merged "
+        f"Hugging Face export, {step / 'hf'}, or the model it adapts with train.lora to train new adapters"
+    ]
+    assert (adapter / "adapter_config.json").is_file()
