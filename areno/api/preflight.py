@@ -57,8 +57,8 @@ from areno.launch.servers import check_server_install
 from areno.models.checkpoint_dirs import STEP_DIR, newest_checkpoint
 from areno.models.config import SEQUENCE_CLASSIFIER_SUFFIX, ModelConfig
 from areno.models.hf_io import (
-    build_model,
     check_tiny_arguments,
+    meta_model,
     missing_model_dir,
     open_safetensors,
     read_config,
@@ -636,10 +636,7 @@ def check_lora_targets(config: ArenoConfig, recipe: TrainingConfig) -> None:
     before any weights load."""
     if config.train.lora is None or not any(role.trainable and not role.model_path for role in recipe.roles):
         return
-    model = run_model_config(config)
-    with torch.device("meta"):
-        decoder = build_model(model)
-    apply_lora(decoder, config.train.lora)
+    apply_lora(meta_model(run_model_config(config)), config.train.lora)
 
 
 def check_tokenizer_fits(tokenizer: Any, vocab_size: int, path: Path) -> None:

@@ -226,6 +226,13 @@ def build_model(config: ModelConfig, **kw: Any) -> Decoder:
     return (VisionLanguageModel if config.vision is not None else Decoder)(config, **kw)
 
 
+def meta_model(config: ModelConfig) -> Decoder:
+    """The module ``config`` describes on the meta device, without memory or initialisation: to check its
+    structure (LoRA's targets) before any weights load."""
+    with _MetaShortcuts(), torch.device("meta"):
+        return build_model(config)
+
+
 SCORE_HEAD_KEYS = ("score.weight", "score.bias")
 """The scalar head of transformers' ``*ForSequenceClassification`` checkpoints."""
 
