@@ -92,3 +92,14 @@ def test_model_path_at_a_lora_adapter_names_the_merged_export(tmp_path, capsys):
         f"Hugging Face export, {step / 'hf'}, or the model it adapts with train.lora to train new adapters"
     ]
     assert (adapter / "adapter_config.json").is_file()
+
+
+def test_a_rows_problem_found_after_loading_is_named_by_its_line_as_load_errors_are(tmp_path, capsys):
+    """A message-list prompt with an untemplated tokenizer was "FILE row 1" (0-based, blank lines not counted) where
+    the load errors of the same file say "FILE line N": now line 3, as an editor shows it."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        '{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": [{"role": "user", "content": "hi"}], "answer": "2"}\n'
+    )
+    err = _check(tmp_path, capsys, "data.task=null", f"data.train_path={rows}", f"data.eval_path={rows}")
+    assert len(err) == 1 and err[0].startswith(f"areno: error: {rows} line 3: 'prompt' is a message list"), err
