@@ -185,8 +185,11 @@ RUN_IDENTITY = (
     "data.answer_key",
     "data.seed",
     "data.shuffle",
+    "train.lora.rank",
+    "train.lora.target_modules",
 )
-"""Settings a resumed run may not change: its checkpoints' model, recipe and data order come from them."""
+"""Settings a resumed run may not change: its checkpoints' model, recipe and data order come from them (and the
+shape of a LoRA run's adapters, which its checkpoints hold)."""
 
 
 def check_resumed_config(config: ArenoConfig) -> None:
