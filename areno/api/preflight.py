@@ -667,7 +667,7 @@ def check_model_files(path: Path, *, key: str) -> ModelConfig:
         raise ModelDirError(_a_file(key, path))
     if not path.is_dir():
         raise ModelDirError(missing_model_dir(key, path))
-    config = read_config(path)
+    config = read_config(path, key=key)
     for weights in safetensors_files(path):
         with open_safetensors(weights):  # parses the header: a truncated file fails here
             pass
