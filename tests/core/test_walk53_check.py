@@ -103,3 +103,20 @@ def test_a_rows_problem_found_after_loading_is_named_by_its_line_as_load_errors_
     )
     err = _check(tmp_path, capsys, "data.task=null", f"data.train_path={rows}", f"data.eval_path={rows}")
     assert len(err) == 1 and err[0].startswith(f"areno: error: {rows} line 3: 'prompt' is a message list"), err
+
+
+@pytest.mark.parametrize(
+    "placement, said",
+    [
+        (["cluster.train_devices=[0,1]", "cluster.rollout_devices=[2]", "cluster.train_tp=2"], "cluster.train_tp=2"),
+        (["cluster.allocation_mode='areno:d1+fsdp:d1t2'"], "cluster.allocation_mode='areno:d1+fsdp:d1t2' (t2)"),
+    ],
+)
+def test_lora_under_training_tensor_parallelism_is_refused_before_any_worker_starts(tmp_path, capsys, placement, said):
+    """It passed --check and the training workers refused it once they had loaded the model."""
+    err = _check(tmp_path, capsys, "train.lora.rank=4", *placement)
+    fix = "give the training component t1" if "allocation_mode" in said else "set cluster.train_tp=1"
+    assert err == [
+        f"areno: error: train.lora with {said}: LoRA does not train under tensor parallelism; set train.lora=null, "
+        f"or {fix}"
+    ]
