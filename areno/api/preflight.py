@@ -50,12 +50,15 @@ from areno.engine.config import (
 )
 from areno.engine.partitioned import PartitionedCluster, is_partitioned, warn_cpu_oversubscription
 from areno.engine.roles import check_partitioned_roles, places_roles, role_allocation
+from areno.engine.servers import check_served_model
 from areno.errors import ConfigError, DataError, ModelDirError
 from areno.launch.allocation import resolve_roles
+from areno.launch.servers import check_server_install
 from areno.models.checkpoint_dirs import STEP_DIR, newest_checkpoint
 from areno.models.config import SEQUENCE_CLASSIFIER_SUFFIX, ModelConfig
 from areno.models.hf_io import (
     check_tiny_arguments,
+    meta_model,
     missing_model_dir,
     open_safetensors,
     read_config,
@@ -76,6 +79,7 @@ from areno.specializations import (
     SequenceScorerSpecialization,
 )
 from areno.train import checkpoint
+from areno.train.lora import apply_lora
 from areno.workflows.base import (
     check_workflow_arguments,
     declares_no_reward_parts,
@@ -159,6 +163,8 @@ def check_run(config: ArenoConfig) -> None:
         if role.model_path:  # a teacher or another model than the policy
             check_model_files(Path(role.model_path), key=f"role {role.name!r} model_path")
     tokenizer = check_model(config)
+    check_served_model_at_start(config)
+    check_lora_targets(config, recipe)
     check_role_vocabularies(config, recipe, tokenizer)
     check_chat_template(
         tokenizer, config.data.chat_template, config.data.system_prompt, config.data.chat_template_kwargs
@@ -179,8 +185,11 @@ RUN_IDENTITY = (
     "data.answer_key",
     "data.seed",
     "data.shuffle",
+    "train.lora.rank",
+    "train.lora.target_modules",
 )
-"""Settings a resumed run may not change: its checkpoints' model, recipe and data order come from them."""
+"""Settings a resumed run may not change: its checkpoints' model, recipe and data order come from them (and the
+shape of a LoRA run's adapters, which its checkpoints hold)."""
 
 
 def check_resumed_config(config: ArenoConfig) -> None:
@@ -610,6 +619,29 @@ def check_model(config: ArenoConfig) -> Any:
     return tokenizer
 
 
+def check_served_model_at_start(config: ArenoConfig) -> None:
+    """With vLLM or SGLang rollouts: the server's package is installed (unless the servers are the user's), and it
+    serves ``model.path`` as areno trains it (``check_served_model``), before any model loads (a model
+    ``model.init_tiny`` makes at start-up is checked when it is, before any server starts)."""
+    backend = resolve_rollout_backend(config.rollout.backend, config.cluster.allocation_mode)
+    if backend == "areno":
+        return
+    if not config.rollout.servers:
+        check_server_install(backend)
+    path = Path(config.model.path)
+    if (path / "config.json").is_file():
+        check_served_model(backend, path, json.loads((path / "config.json").read_text(encoding="utf-8")))
+
+
+def check_lora_targets(config: ArenoConfig, recipe: TrainingConfig) -> None:
+    """``train.lora.target_modules`` adapt linear layers the trained roles' model has and areno merges: LoRA applied
+    to the model built on the meta device (no weights read), so a misspelt name or an expert projection is one line
+    before any weights load."""
+    if config.train.lora is None or not any(role.trainable and not role.model_path for role in recipe.roles):
+        return
+    apply_lora(meta_model(run_model_config(config)), config.train.lora)
+
+
 def check_tokenizer_fits(tokenizer: Any, vocab_size: int, path: Path) -> None:
     """The tokenizer is the model's: its ids within the embedding (a tokenizer copied from another model
     would fail every request) and text encodes to some token (tokenizer_config.json without its
@@ -635,7 +667,7 @@ def check_model_files(path: Path, *, key: str) -> ModelConfig:
         raise ModelDirError(_a_file(key, path))
     if not path.is_dir():
         raise ModelDirError(missing_model_dir(key, path))
-    config = read_config(path)
+    config = read_config(path, key=key)
     for weights in safetensors_files(path):
         with open_safetensors(weights):  # parses the header: a truncated file fails here
             pass
@@ -984,9 +1016,18 @@ def path_setting(config: ArenoConfig, value: str, fallback: str) -> str:
 
 def check_model_path_option(key: str, path: Path) -> None:
     """A ModelDirError when ``path`` (setting ``key``), with no config.json of its own, is an areno run
-    directory, its ``checkpoints/`` or a checkpoint ``step_N``: it names the ``step_N/hf`` to pass."""
+    directory, its ``checkpoints/`` or a checkpoint ``step_N``: it names the ``step_N/hf`` to pass; or a PEFT
+    adapter (a LoRA run's ``<role>/adapter``), which holds no model: it names the merged export or the base."""
     if (path / "config.json").is_file() or not path.is_dir():
         return
+    if (path / "adapter_config.json").is_file():
+        step = path.parent.parent
+        merged = step / "hf" if STEP_DIR.match(step.name) and (step / "hf").is_dir() else None
+        raise ModelDirError(
+            f"{key}: {path} is a LoRA adapter, not a model directory: pass "
+            + (f"its checkpoint's merged Hugging Face export, {merged}" if merged else "a merged model")
+            + ", or the model it adapts with train.lora to train new adapters"
+        )
     if STEP_DIR.match(path.name) and (path / "hf").is_dir():
         raise ModelDirError(
             f"{key}: {path} is an areno checkpoint, not a model directory: pass its Hugging Face export, {path / 'hf'}"

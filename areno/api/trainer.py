@@ -198,10 +198,19 @@ class Trainer:
             )
 
     def _initialize(self, backend_cls: type[Backend]) -> None:
-        config = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         resume_from = self._prepare_resume()  # before the logger opens metrics.jsonl for appending
-        self._write_config(resume_from)
+        kept = self._write_config(resume_from)
+        try:
+            self._start(backend_cls, resume_from)
+        except BaseException:
+            if kept is not None:  # a resume that never ran: config.yaml still says what the run is
+                os.replace(kept, self.run_dir / "config.yaml")
+            raise
+
+    def _start(self, backend_cls: type[Backend], resume_from: Path | None) -> None:
+        """Build the backend and the metrics logger, then load the checkpoint a resumed run goes on from."""
+        config = self.config
         observe = config.observe
         if resume_from is not None and (
             missed := profiles_missed(self.run_dir, observe.profile_steps, checkpoint_step(resume_from))
@@ -588,11 +597,12 @@ class Trainer:
                 flush=True,
             )
 
-    def _write_config(self, resume_from: Path | None) -> None:
+    def _write_config(self, resume_from: Path | None) -> Path | None:
         """The resolved config as run_dir/config.yaml; a resumed run whose settings changed keeps the
         previous one beside it as ``config.until_step_N.yaml`` (``resume`` and ``overwrite`` say how
-        a run starts, not what it is: a change of those alone keeps no copy)."""
+        a run starts, not what it is: a change of those alone keeps no copy), whose path it returns."""
         path, text = self.run_dir / "config.yaml", to_yaml(self.config)
+        kept = None
         if resume_from is not None and path.is_file() and _settings(path.read_text()) != _settings(text):
             kept = path.with_name(f"config.until_{resume_from.name}.yaml")
             n = 1
@@ -602,6 +612,7 @@ class Trainer:
         tmp = path.with_name(path.name + ".tmp")  # whole or absent: a resumed run refuses a torn one
         tmp.write_text(text)
         os.replace(tmp, path)
+        return kept
 
     def _resume(self, path: Path) -> None:
         state = self.backend.load(path)

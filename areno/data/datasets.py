@@ -153,23 +153,24 @@ def load_files(value: str | list[str], *, key: str, **read) -> list[dict]:
 
 
 def row_source(value: str | list[str], index: int, *, key: str) -> str:
-    """Where row ``index`` of the rows :func:`load_files` read comes from, as an error names it: ``FILE row i``
-    (0-based within its file). Reads the files' row counts again: for an error's message only."""
+    """Where row ``index`` of the rows :func:`load_files` read comes from, as a load error names it: ``FILE line N``
+    (a ``.jsonl`` file's line, as an editor counts them), else ``FILE row i`` (0-based within its file). Reads the
+    files again: for an error's message only."""
     for path in data_files(value, key=key):
-        count = len(_read_rows(path, key=key)[0])
-        if index < count:
-            return f"{path} row {index}"
-        index -= count
+        where = _read_rows(path, key=key)[1]
+        if index < len(where):
+            return f"{path} {where[index]}"
+        index -= len(where)
     raise IndexError(f"{key} holds no row {index}")
 
 
 def held_out_row_source(data_cfg, index: int) -> str:
-    """Where held-out row ``index`` (of :func:`build_splits`' held-out rows) comes from: ``FILE row i``, i within
-    its file. Reads the files again: for an error's message only."""
+    """Where held-out row ``index`` (of :func:`build_splits`' held-out rows) comes from, as :func:`row_source` names
+    it. Reads the files again: for an error's message only."""
     read = {"prompt_key": data_cfg.prompt_key, "answer_field": data_cfg.answer_key}
     for path, rows in held_out_files(data_cfg, **read):
         if index < len(rows):
-            return f"{path} row {index}"
+            return f"{path} {_read_rows(path, key='data.eval_path')[1][index]}"
         index -= len(rows)
     raise IndexError(f"data.eval_path holds no held-out row {index}")
 
@@ -244,8 +245,11 @@ def _is_preference_row(row: object, prompt_key: str) -> bool:
 def _row_problem(row: object, prompt_key: str, answer_key: str | None) -> str | None:
     """What is wrong with one row, and the fix (None: nothing)."""
     fix = "set data.prompt_key to the field that holds the prompt"
-    if not isinstance(row, dict):
-        return f"no string field {prompt_key!r} (the row is a JSON {_json_type(row)}, not an object; {fix})"
+    if not isinstance(row, dict):  # no field to name: the fix is the row's shape
+        return (
+            f"no string field {prompt_key!r} (the row is a JSON {_json_type(row)}, not an object; write each row as "
+            f"an object holding its fields, {{{prompt_key!r}: ...}})"
+        )
     fields = ", ".join(map(repr, list(row)[:8])) or "none"
     if prompt_key not in row and isinstance(row.get(PAIR_KEYS[0]), list):
         return (

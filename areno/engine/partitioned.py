@@ -374,12 +374,18 @@ class PartitionedCluster:
 
     def check_tp(self, layout: ClusterLayout, model_config: ModelConfig) -> None:
         """LayoutError (one line) when the training or rollout TP size cannot split the model's
-        heads, MLP or vocabulary (``areno.models.tp_plan.check_tp_size``)."""
+        heads, MLP or vocabulary (``areno.models.tp_plan.check_tp_size``), or training TP meets ``train.lora``."""
         if model_config.vision is not None and layout.rollout_tp > 1:  # its rollout engine loads whole
             raise LayoutError(
                 f"{_setting(layout, 'cluster.rollout_tp', layout.rollout_tp)}: a vision-language model's rollout "
                 "engine runs without tensor parallelism; "
                 + ("give the rollout component t1" if layout.allocation_mode else "set cluster.rollout_tp=1")
+            )
+        if layout.train_tp > 1 and self.config.train.lora is not None:  # the backend refuses it once loaded
+            raise LayoutError(
+                f"train.lora with {_setting(layout, 'cluster.train_tp', layout.train_tp)}: LoRA does not train under "
+                "tensor parallelism; set train.lora=null, or "
+                + ("give the training component t1" if layout.allocation_mode else "set cluster.train_tp=1")
             )
         for what, size in (("cluster.train_tp", layout.train_tp), ("cluster.rollout_tp", layout.rollout_tp)):
             try:

@@ -88,6 +88,39 @@ def server_ignored_olmoe_keys(model_config: dict) -> list[str]:
     return [f"{key}={getattr(config, key)}" for key, differs in ignored.items() if differs]
 
 
+def check_served_model(backend: str, model_dir: Path, model_config: dict) -> None:
+    """A ``ConfigError`` naming the fix when ``backend`` (vllm, sglang) cannot serve the model of ``model_dir``
+    (its parsed ``config.json``) as areno trains it: called at start-up before any model loads, and again before
+    any server starts (the model may be a warm start's)."""
+    if "vision_config" in model_config:  # a vision-language model: before any server starts
+        # the text-model ones too: the servers' weight updates of the whole model are untested here
+        raise ConfigError(
+            f"rollout.backend={backend}: {model_dir} is a vision-language checkpoint, which areno "
+            f"trains with its own rollout engine only (its {backend} path sends token ids, and its weight "
+            "updates of a vision-language model are untested): use rollout.backend=areno"
+        )
+    untested = _FUSED_EXPERT_CHECKPOINTS.get((model_config.get("architectures") or [None])[0])
+    if untested is not None:
+        raise ConfigError(
+            f"rollout.backend={backend}: {model_dir} is a {untested[0]} checkpoint, whose weight updates "
+            f"into {backend} ({untested[1]}) areno has not tested: use rollout.backend=areno"
+        )
+    qwen2_moe = "Qwen2MoeForCausalLM" in (model_config.get("architectures") or [])
+    if qwen2_moe and not model_config.get("qkv_bias", True):
+        raise ConfigError(
+            f"rollout.backend={backend}: {model_dir} is a Qwen2-MoE checkpoint with qkv_bias=false, "
+            "which vLLM's Qwen2-MoE builds with q/k/v biases all the same (no released one sets it): use "
+            "rollout.backend=areno"
+        )
+    ignored = server_ignored_olmoe_keys(model_config)
+    if ignored:
+        raise ConfigError(
+            f"rollout.backend={backend}: {model_dir} is an OLMoE checkpoint with {', '.join(ignored)}, "
+            f"which {backend}'s OLMoE does not compute as transformers does (it clamps nothing, builds no "
+            "attention bias, norms with eps 1e-5 and never renormalises the top-k weights): use rollout.backend=areno"
+        )
+
+
 class ServerRolloutSide(RolloutSide):
     """vLLM or SGLang servers behind one client (see the module docstring)."""
 
@@ -141,33 +174,7 @@ class ServerRolloutSide(RolloutSide):
     def start(self, setup: SideSetup) -> None:
         cfg = self.config.rollout
         model_config = json.loads((setup.model_dir / "config.json").read_text())
-        if "vision_config" in model_config:  # a vision-language model: before any server starts
-            # the text-model ones too: the servers' weight updates of the whole model are untested here
-            raise ConfigError(
-                f"rollout.backend={self.backend}: {setup.model_dir} is a vision-language checkpoint, which areno "
-                f"trains with its own rollout engine only (its {self.backend} path sends token ids, and its weight "
-                "updates of a vision-language model are untested): use rollout.backend=areno"
-            )
-        untested = _FUSED_EXPERT_CHECKPOINTS.get((model_config.get("architectures") or [None])[0])
-        if untested is not None:
-            raise ConfigError(
-                f"rollout.backend={self.backend}: {setup.model_dir} is a {untested[0]} checkpoint, whose weight updates "
-                f"into {self.backend} ({untested[1]}) areno has not tested: use rollout.backend=areno"
-            )
-        qwen2_moe = "Qwen2MoeForCausalLM" in (model_config.get("architectures") or [])
-        if qwen2_moe and not model_config.get("qkv_bias", True):
-            raise ConfigError(
-                f"rollout.backend={self.backend}: {setup.model_dir} is a Qwen2-MoE checkpoint with qkv_bias=false, "
-                "which vLLM's Qwen2-MoE builds with q/k/v biases all the same (no released one sets it): use "
-                "rollout.backend=areno"
-            )
-        ignored = server_ignored_olmoe_keys(model_config)
-        if ignored:
-            raise ConfigError(
-                f"rollout.backend={self.backend}: {setup.model_dir} is an OLMoE checkpoint with {', '.join(ignored)}, "
-                f"which {self.backend}'s OLMoE does not compute as transformers does (it clamps nothing, builds no "
-                "attention bias, norms with eps 1e-5 and never renormalises the top-k weights): use rollout.backend=areno"
-            )
+        check_served_model(self.backend, setup.model_dir, model_config)
         if cfg.servers:
             self.urls = [u.rstrip("/") for u in cfg.servers]
             api_key = cfg.server_api_key

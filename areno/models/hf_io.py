@@ -122,7 +122,10 @@ def read_config(model_dir: str | Path, *, key: str = "model.path") -> ModelConfi
                 f"{model_dir} holds GGUF files (llama.cpp's format), which areno does not read: point {key} at the "
                 "model's Hugging Face checkpoint (config.json, *.safetensors, the tokenizer files)"
             )
-        raise ModelDirError(f"{config_path} not found: a model directory needs a Hugging Face config.json")
+        raise ModelDirError(
+            f"{key}: {config_path} not found: point {key} at a Hugging Face checkpoint directory (config.json, "
+            "*.safetensors and the tokenizer files)"
+        )
     try:
         d = json.loads(config_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -224,6 +227,13 @@ class _MetaShortcuts(TorchFunctionMode):
 def build_model(config: ModelConfig, **kw: Any) -> Decoder:
     """The module ``config`` describes: ``VisionLanguageModel`` for a Qwen2.5-VL config, else ``Decoder``."""
     return (VisionLanguageModel if config.vision is not None else Decoder)(config, **kw)
+
+
+def meta_model(config: ModelConfig) -> Decoder:
+    """The module ``config`` describes on the meta device, without memory or initialisation: to check its
+    structure (LoRA's targets) before any weights load."""
+    with _MetaShortcuts(), torch.device("meta"):
+        return build_model(config)
 
 
 SCORE_HEAD_KEYS = ("score.weight", "score.bias")

@@ -38,13 +38,14 @@ class LoraConfig:
     """Low-rank adapters (through ``peft``) on the decoder's linear layers."""
 
     rank: int = 8
-    """Adapter rank r (> 0)."""
+    """Adapter rank r (> 0); a resumed run keeps it, as its ``target_modules`` (its checkpoints' adapters)."""
     alpha: float = 16.0
     """Scaling numerator: the update is ``alpha / rank * B @ A``."""
     target_modules: tuple[str, ...] | str = ("q_proj", "k_proj", "v_proj", "o_proj")
     """Suffixes of the linear modules that get adapters (HF names, e.g. ``gate_proj``); a string is
     one name or several separated by commas (``q_proj,v_proj``), not PEFT's regular expression.
-    ``lm_head`` takes none: the decoder reads its weight directly, so an adapter there never runs."""
+    ``lm_head`` takes none: the decoder reads its weight directly, so an adapter there never runs. Checked on the
+    model built without its weights before anything loads (``areno train --check`` too)."""
     dropout: float = 0.0
     """Dropout on the adapter input, in [0, 1)."""
 

@@ -63,7 +63,17 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     peft_cfg = PeftLoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules)
     )
-    inject_adapter_in_model(peft_cfg, model)
+    try:
+        inject_adapter_in_model(peft_cfg, model)
+    except ValueError as exc:
+        # peft reads a transformers 5 expert model's MLP names (GLM-4.5's, OLMoE's, Qwen3-MoE's, Mixtral's w1/w3)
+        # as its fused experts' and refuses a gate without its up projection before adapting anything
+        check_config(
+            False,
+            "train.lora.target_modules",
+            f"{list(cfg.target_modules)}: peft refuses them ({exc}); "
+            + _advice(any(".experts" in n for n, _ in model.named_modules())),
+        )
     _check_adapted(model, cfg, targeted)
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
@@ -87,13 +97,16 @@ def _check_adapted(model: torch.nn.Module, cfg: LoraConfig, targeted: list[str])
         f"{list(cfg.target_modules)} put adapters on layers that are not linear "
         f"({', '.join(f'{n}: {kind}' for n, kind in sorted(other.items())[:2]) or 'none'}"
         f"{'; the fused experts of an expert model' if experts else ''}) and left linear layers of those names "
-        f"without one ({', '.join(missed[:2]) or 'none'}): areno merges adapters of linear layers only; target "
-        + (
-            "the attention projections (q_proj,k_proj,v_proj,o_proj) of an expert model"
-            if experts
-            else "names only linear layers have (a vision tower's patch_embed.proj is a convolution)"
-        ),
+        f"without one ({', '.join(missed[:2]) or 'none'}): areno merges adapters of linear layers only; "
+        + _advice(experts),
     )
+
+
+def _advice(experts: bool) -> str:
+    """What to target instead, on an expert model or another."""
+    if experts:
+        return "target the attention projections (q_proj,k_proj,v_proj,o_proj) of an expert model"
+    return "target names only linear layers have (a vision tower's patch_embed.proj is a convolution)"
 
 
 def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

@@ -299,7 +299,7 @@ def test_rows_and_rewards_that_cannot_meet_are_refused_before_the_model(tmp_path
         (
             ['{"prompt": [{"role": "user", "content": "hi"}], "answer": "2"}'],
             [],
-            "row 0: 'prompt' is a message list, which needs a chat",
+            "line 1: 'prompt' is a message list, which needs a chat",
         ),
         (
             ['{"prompt": "1+1=", "answer": "2"}'],
@@ -309,7 +309,7 @@ def test_rows_and_rewards_that_cannot_meet_are_refused_before_the_model(tmp_path
         (
             ['{"prompt": "1+1=", "answer": "2"}'],
             [f"data.eval_path={tmp_path / 'long.jsonl'}", "rollout.max_model_len=64"],
-            "long.jsonl row 1: the prompt has 100 tokens but the context is 64",
+            "long.jsonl line 2: the prompt has 100 tokens but the context is 64",
         ),
         (
             ['{"prompt": "1+1=", "answer": "2"}'],

@@ -119,10 +119,11 @@ def test_jsonl_errors_name_the_line_blank_lines_counted(tmp_path):
         path.write_text('{"prompt": "a"}\n\n\n' + bad + "\n")
         with pytest.raises(ValueError) as info:
             load_rows(path, prompt_key="prompt")
-        assert str(info.value) == (
-            f"{path} line 4: no string field 'prompt' ({problem}; "
-            "set data.prompt_key to the field that holds the prompt)"
-        )
+        # a row that is no object has no field data.prompt_key could name
+        fix = "set data.prompt_key to the field that holds the prompt"
+        if "not an object" in problem:
+            fix = "write each row as an object holding its fields, {'prompt': ...}"
+        assert str(info.value) == f"{path} line 4: no string field 'prompt' ({problem}; {fix})"
 
 
 def test_json_list_and_parquet_errors_name_the_row_index(tmp_path):

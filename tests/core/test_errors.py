@@ -150,7 +150,10 @@ def _truncated(model: Path) -> None:
     "damage, fragment",
     [
         (None, "model.path: directory"),
-        (lambda m: (m / "config.json").unlink(), "config.json not found"),
+        (
+            lambda m: (m / "config.json").unlink(),
+            "config.json not found: point model.path at a Hugging Face checkpoint",
+        ),
         (lambda m: (m / "config.json").write_text("[1, 2]"), "holds a JSON list"),
         (
             lambda m: (m / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]})),

@@ -268,7 +268,9 @@ def test_a_template_that_refuses_the_system_prompt_is_named_at_start_up(tmp_path
         {"prompt": [{"role": "system", "content": "Be brief."}, *TRAIN_ROWS[0]["prompt"]], "answer": "5"},
     ]
     held_out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(DataError, match=r"held_out.jsonl row 1: the chat template fails on its prompt \(TemplateError"):
+    with pytest.raises(
+        DataError, match=r"held_out.jsonl line 2: the chat template fails on its prompt \(TemplateError"
+    ):
         check_run(_config(tmp_path, model, always, f"data.eval_path={held_out}"))
 
 

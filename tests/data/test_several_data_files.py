@@ -79,7 +79,7 @@ def test_a_message_list_prompt_is_named_by_its_own_file_and_row(tmp_path):
     a = _jsonl(tmp_path / "a.jsonl", ["a0", "a1"])
     b = _with_a_message_list_second(tmp_path / "b.jsonl")
     data = _data(tmp_path, f"[{a},{b}]")
-    with pytest.raises(DataError, match=rf"^{b} row 1: 'prompt' is a message list"):
+    with pytest.raises(DataError, match=rf"^{b} line 2: 'prompt' is a message list"):
         check_prompt_forms(data, build_splits(data), templated=False)
 
 
@@ -196,6 +196,7 @@ def test_a_held_out_rows_problem_is_named_by_its_file_and_its_row_there(tmp_path
     b = _with_a_message_list_second(tmp_path / "b.jsonl")
     overrides = [f"model.path={tmp_path}", "data.task=null", f"data.train_path={a}", f"data.eval_path=[{a},{b}]"]
     data = load_config(None, [*overrides, "data.num_eval=2"]).data
-    with pytest.raises(DataError, match=rf"^{b} row 1: 'prompt' is a message list"):
+    with pytest.raises(DataError, match=rf"^{b} line 2: 'prompt' is a message list"):
         check_prompt_forms(data, build_splits(data), templated=False)
-    assert held_out_row_source(data, 1) == f"{a} row 1" and held_out_row_source(data, 2) == f"{b} row 0"
+    # a .jsonl row by its line, as an editor and the load errors count them
+    assert held_out_row_source(data, 1) == f"{a} line 2" and held_out_row_source(data, 2) == f"{b} line 1"
