@@ -638,10 +638,15 @@ class ModelConfig:
             )
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
         shared = self.shared_expert_intermediate_size
-        if shared < 0 or (shared > 0) != (arch == QWEN2_MOE):
+        if arch == QWEN2_MOE and shared <= 0:
             raise ValueError(
-                f"shared_expert_intermediate_size={shared} is impossible for {arch}: "
-                f"only {QWEN2_MOE} has a shared expert (and needs a width > 0)"
+                f"shared_expert_intermediate_size={shared} is impossible for {arch}: its layers have a shared expert; "
+                "set it to the expert's width (> 0)"
+            )
+        if arch != QWEN2_MOE and shared != 0:
+            raise ValueError(
+                f"shared_expert_intermediate_size={shared} is impossible for {arch}: only {QWEN2_MOE} has a shared "
+                "expert of that width; leave it 0"
             )
         if not self.num_experts:
             return

@@ -591,7 +591,9 @@ class PackedTrainBackend(TrainBackend):
         if cfg.cp_size > 1:
             why = "context parallelism (cp_size > 1), which splits the packed tokens over ranks"
         elif any(isinstance(m, moe.SparseMoE) for m in model.modules()):
-            why = "a mixture of experts, whose routes are recorded and replayed per token"
+            why = (
+                "a mixture of experts, whose routing (its records, replay and balance loss) counts each sample's prompt"
+            )
         elif vision_towers(model):
             why = "a vision-language model"
         elif cfg.attention == "flex":

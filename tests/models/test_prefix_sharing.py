@@ -193,6 +193,9 @@ def test_backend_sets_share_prompts_and_a_step_trains_the_same(tmp_path):
     with pytest.raises(ConfigError, match=r"^train.share_prompts=true: not with train.attention=flex, whose"):
         b = LocalTrainBackend(TrainBackendConfig(device="cpu", share_prompts=True, attention="flex"))
         b.initialize(model_dir)
+    with pytest.raises(ConfigError, match=r"^train.share_prompts=true: not with a mixture of experts, whose routing"):
+        b = LocalTrainBackend(TrainBackendConfig(device="cpu", share_prompts=True))
+        b.initialize(make_model_dir(tmp_path / "moe", arch="qwen3_moe"))
     with pytest.raises(ConfigError, match="train.share_prompts: must be true, false or auto, got 'yes'"):
         TrainBackendConfig(share_prompts="yes")
 

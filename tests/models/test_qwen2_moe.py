@@ -267,13 +267,16 @@ def test_what_it_cannot_be_is_refused_in_one_line():
         ({**d, "use_sliding_window": True, "sliding_window": 8}, "use_sliding_window=true"),
         ({**d, "layer_types": ["sliding_attention", "full_attention"]}, "set use_sliding_window to false"),
         ({**d, "num_experts": 0}, "num_experts=0 is impossible for Qwen2MoeForCausalLM"),
-        ({**d, "shared_expert_intermediate_size": 0}, "needs a width > 0"),
+        (
+            {**d, "shared_expert_intermediate_size": 0},
+            "its layers have a shared expert; set it to the expert's width (> 0)",
+        ),
     ]
     for bad, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)) as err:
             ModelConfig.from_hf(bad)
         assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match="only Qwen2MoeForCausalLM has a shared expert"):
+    with pytest.raises(ValueError, match="only Qwen2MoeForCausalLM has a shared expert of that width; leave it 0"):
         tiny_config(VOCAB, arch="qwen3_moe", shared_expert_intermediate_size=32)
     with pytest.raises(ValueError, match="no o_proj bias"):
         tiny_config(VOCAB, arch="qwen2_moe", attention_out_bias=True)
