@@ -4,15 +4,20 @@ GRPO runs through ``Trainer`` on an expert ``model.init_tiny``."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
 from areno.api.config import load_config
 from areno.api.trainer import Trainer
 from tests.helpers.configs import tiny_grpo_overrides
+from tests.helpers.train import make_model_dir
 
 VOCAB = 61
+BIAS = "model.layers.{}.mlp.gate.e_score_correction_bias"
+"""A GLM-4.5 sparse layer's correction bias (``glm4_moe_dir``'s layers 1 and 2)."""
 
 
 def hf_config(layout: str, vocab: int):
@@ -69,3 +74,16 @@ def run_moe(tmp_path, *extra):
     finally:
         trainer.shutdown()
     return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def glm4_moe_dir(path: Path, *, seed: int, biased: bool) -> Path:
+    """A tiny GLM-4.5 (a dense first layer, two expert layers); ``biased``: nonzero correction biases, which
+    move the routers' choice."""
+    make_model_dir(path, arch="glm4_moe", layers=3, initializer_range=0.2, seed=seed)
+    if biased:
+        state = load_file(path / "model.safetensors")
+        gen = torch.Generator().manual_seed(seed)
+        for i in (1, 2):
+            state[BIAS.format(i)] = 0.3 * torch.randn(state[BIAS.format(i)].shape, generator=gen)
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path

@@ -5,7 +5,8 @@ renormalised and scaled, a shared expert added. A checkpoint transformers saved 
 bias and the release's multi-token-prediction layer beside it) computes transformers' log-probs and gradients;
 the group limit and the bias are computed (without them the log-probs move); the export loads back in
 transformers; the router stays float32 in a bf16 model; routing replay routes with the router's own weights;
-the rollout engine decodes it; GRPO on a tiny one learns; what it cannot do is refused in one line."""
+the rollout engine decodes it; FSDP2 over two processes, the experts replicated or split, trains as one
+process; GRPO on a tiny one learns; what it cannot do is refused in one line."""
 
 from __future__ import annotations
 
@@ -430,3 +431,72 @@ def test_lora_adapts_the_attention_and_refuses_the_expert_names_as_for_every_exp
     assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32
     with pytest.raises(ConfigError, match="^train.lora.target_modules: .* not linear .*Experts"):
         apply_lora(Decoder(tiny_config(61, arch="glm4_moe")), LoraConfig(target_modules="down_proj"))
+
+
+_DP = dict(lr=1e-2, device="cpu", grad_clip=0.5, weight_decay=0.1, max_tokens_per_mb=24)
+_DP_LENGTHS = [13, 7, 21, 5, 9, 16, 3, 11]
+
+
+def _dp_steps(backend) -> list[tuple[float, float]]:
+    from tests.helpers.train import nll_forward, nll_loss, random_batch, token_denominator
+
+    out = []
+    for s in range(3):
+        batch = random_batch(_DP_LENGTHS, 100, 50 + s)
+        m = backend.train_step(batch, forward_fn=nll_forward, loss_fn=nll_loss, denominator_fn=token_denominator)
+        out.append((m["loss"], m["grad_norm"]))
+    return out
+
+
+def _dp_worker(rank, world, model_dir, out_dir):
+    from pathlib import Path
+
+    from areno.train import FSDP2TrainBackend, TrainBackendConfig
+
+    result = {}
+    for ep in (1, 2):
+        backend = FSDP2TrainBackend(TrainBackendConfig(**_DP, ep_size=ep))
+        backend.initialize(model_dir)
+        result[f"ep{ep}"] = (_dp_steps(backend), {k: v.clone() for k, v in backend.named_weights()})
+        if ep == 2:
+            result["router_rows"] = [r.weight.to_local().shape[0] for r in moe.float32_routers(backend.model)]
+            backend.save_checkpoint(Path(out_dir) / "ckpt", {"pos": 3})
+        backend.shutdown()
+    if rank == 0:
+        torch.save(result, Path(out_dir) / "result.pt")
+
+
+def test_fsdp2_over_two_processes_trains_as_one_process(tmp_path):
+    """FSDP2 over 2 gloo ranks, the experts replicated (EP 1) and split (EP 2), equals the one-process backend: the
+    losses, the clipped gradients' norm (each router's float32 group counted once), the weights after 3 AdamW
+    steps with weight decay; the correction biases (buffers) stay as loaded; the 2-rank checkpoint loads in one
+    process over another model's weights and zero biases and gives back every tensor, the biases included."""
+    from areno.train import LocalTrainBackend, TrainBackendConfig
+    from tests.helpers.moe import BIAS, glm4_moe_dir
+    from tests.helpers.train import spawn
+
+    model_dir = glm4_moe_dir(tmp_path / "model", seed=0, biased=True)
+    biases = {i: load_file(model_dir / "model.safetensors")[BIAS.format(i)] for i in (1, 2)}
+    spawn(_dp_worker, 2, str(model_dir), str(tmp_path), tmp=tmp_path)
+    r = torch.load(tmp_path / "result.pt", weights_only=True)
+    one = LocalTrainBackend(TrainBackendConfig(**_DP))
+    one.initialize(model_dir)
+    losses, weights = _dp_steps(one), dict(one.named_weights())
+    assert r["router_rows"] == [4, 4]  # each router sharded over the 2 ranks: 4 of its 8 rows here
+    for ep in (1, 2):
+        dp_losses, dp_weights = r[f"ep{ep}"]
+        for (loss, norm), (dp_loss, dp_norm) in zip(losses, dp_losses):
+            assert dp_loss == pytest.approx(loss, rel=1e-5) and dp_norm == pytest.approx(norm, rel=1e-4)
+        assert losses[0][1] > 2 * _DP["grad_clip"]  # the clip acts: a norm counted twice would change every update
+        assert sorted(dp_weights) == sorted(weights)
+        for name, t in weights.items():
+            assert dp_weights[name].dtype == t.dtype, name
+            torch.testing.assert_close(dp_weights[name], t, rtol=1e-4, atol=1e-4, msg=name)
+        for i in (1, 2):
+            assert dp_weights[f"model.layers.{i}.mlp.gate.weight"].dtype == torch.float32
+            assert torch.equal(dp_weights[BIAS.format(i)], biases[i])  # weight decay reaches no buffer
+    back = LocalTrainBackend(TrainBackendConfig(**_DP))
+    back.initialize(glm4_moe_dir(tmp_path / "other", seed=1, biased=False))
+    assert back.load_checkpoint(tmp_path / "ckpt") == {"pos": 3}
+    for name, t in back.named_weights():
+        assert torch.equal(t, r["ep2"][1][name]), name

@@ -1,6 +1,6 @@
 """Expert parallelism composed with FSDP2 (``TrainBackendConfig.ep_size``, the ``e`` of ``cluster.allocation_mode``), CPU gloo, 2 processes: training with
 the experts split over the 2 ranks (EP 2) equals training with every expert on every rank (EP 1,
-plain FSDP): losses, gradient norms and the weights after the steps; checkpoints and exports see
+plain FSDP), for Qwen3-MoE and Qwen2-MoE: losses, gradient norms and the weights after the steps; checkpoints and exports see
 whole expert tensors. Layouts expert parallelism does not cover are one-line ConfigErrors."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tests.helpers.train import make_model_dir, nll_forward, nll_loss, random_ba
 VOCAB = 100
 LENGTHS = [13, 7, 21, 5, 9, 16, 3, 11]
 CFG = dict(lr=1e-2, device="cpu", grad_clip=0.5, max_tokens_per_mb=24)
-MOE = dict(arch="qwen3_moe", num_experts=4, mlp_only_layers=(1,), layers=3, initializer_range=0.2)
+MOE = dict(num_experts=4, mlp_only_layers=(1,), layers=3, initializer_range=0.2)
 
 
 def _train(backend) -> list[tuple[float, float]]:
@@ -52,8 +52,13 @@ def _worker(rank, world, model_dir, out_dir):
         torch.save(result, Path(out_dir) / "result.pt")
 
 
-def test_fsdp_expert_parallel_2_equals_1(tmp_path):
-    model_dir = make_model_dir(tmp_path / "model", **MOE)
+@pytest.mark.parametrize(
+    "arch",
+    # Qwen2-MoE: its gated shared expert sharded as the dense weights (its gate one row over two ranks)
+    ["qwen3_moe", pytest.param("qwen2_moe", marks=pytest.mark.slow)],
+)
+def test_fsdp_expert_parallel_2_equals_1(tmp_path, arch):
+    model_dir = make_model_dir(tmp_path / "model", arch=arch, **MOE)
     spawn(_worker, 2, str(model_dir), str(tmp_path), tmp=tmp_path)
     r = torch.load(tmp_path / "result.pt", weights_only=True)
     assert r["ep2_local_experts"] == 2  # each rank holds half the experts
@@ -74,6 +79,6 @@ def test_fsdp_expert_parallel_2_equals_1(tmp_path):
 
 
 def test_expert_parallel_needs_the_fsdp_backend(tmp_path):
-    model_dir = make_model_dir(tmp_path / "model", **MOE)
+    model_dir = make_model_dir(tmp_path / "model", arch="qwen3_moe", **MOE)
     with pytest.raises(ConfigError, match="ep_size=2 needs the FSDP2 backend"):
         LocalTrainBackend(TrainBackendConfig(**CFG, ep_size=2)).initialize(model_dir)
