@@ -19,6 +19,7 @@ Legend: R = adapter rank, D = input features, O = output features.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,6 +32,8 @@ from areno.models import vl_text
 from areno.models.config import ModelConfig
 from areno.models.packed_projections import pack_adapter, packed_target_modules, unpacked_target_modules
 from areno.train.config import UNADAPTABLE, LoraConfig
+
+logger = logging.getLogger(__name__)
 
 ADAPTER = "default"
 HEAD_FILE = "score.safetensors"
@@ -75,6 +78,14 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
             + _advice(any(".experts" in n for n, _ in model.named_modules())),
         )
     _check_adapted(model, cfg, targeted)
+    mlp = [n for n in targeted if ".mlp." in n]
+    if mlp and any(".experts" in n for n, _ in model.named_modules()):
+        # Qwen2-MoE: MLP names adapt its shared experts and dense layers; a user may expect the routed ones too
+        logger.info(
+            "LoRA: %d MLP layers adapted (shared experts and dense layers, e.g. %s); the routed experts stay frozen",
+            len(mlp),
+            mlp[0],
+        )
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
     return model

@@ -9,6 +9,7 @@ parallelism is ``test_moe_expert_parallel``'s; GRPO on a tiny one learns; what i
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import pytest
@@ -161,7 +162,7 @@ def test_the_rollout_engine_reloads_a_checkpoint_from_disk(tmp_path):
     assert_engine_reloads_from_disk(tmp_path / "hf", tmp_path / "b")
 
 
-def test_lora_adapts_linear_layers_the_shared_expert_among_them():
+def test_lora_adapts_linear_layers_the_shared_expert_among_them(caplog):
     """Attention adapters as on any expert model; MLP names adapt the linear layers that have them (the dense
     layer's MLP and the shared experts, which a merge carries), never the routed experts' fused tensors."""
     from areno.train.config import LoraConfig
@@ -172,8 +173,13 @@ def test_lora_adapts_linear_layers_the_shared_expert_among_them():
     assert sorted(lora_layers(model)) == [
         f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_proj", "v_proj")
     ]
-    model = apply_lora(Decoder(config), LoraConfig(rank=4, target_modules=("gate_proj",)))
+    with caplog.at_level(logging.INFO, logger="areno.train.lora"):
+        model = apply_lora(Decoder(config), LoraConfig(rank=4, target_modules=("gate_proj",)))
     assert sorted(lora_layers(model)) == ["model.layers.0.mlp.shared_expert.gate_proj", "model.layers.1.mlp.gate_proj"]
+    assert "LoRA: 2 MLP layers adapted (shared experts and dense layers, e.g. model.layers.0.mlp.shared_expert" in (
+        caplog.text
+    )
+    assert "the routed experts stay frozen" in caplog.text
     assert not model.model.layers[0].mlp.experts.gate_up_proj.requires_grad
 
 
