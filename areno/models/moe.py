@@ -304,16 +304,21 @@ def grouped_mm_experts(
 
 
 def _grouped_mm_fits(x_TD: torch.Tensor, down_EDI: torch.Tensor) -> bool:
-    """Whether ``grouped_mm_experts`` runs here: bf16 on a Hopper-or-newer GPU, rows a multiple
-    of 16 bytes (the kernel's requirements)."""
+    """Whether ``grouped_mm_experts`` runs here (``grouped_mm_serves`` for ``x_TD``'s dtype and device)."""
+    return grouped_mm_serves(x_TD.dtype, x_TD.device, down_EDI)
+
+
+def grouped_mm_serves(dtype: torch.dtype, device: torch.device, down_EDI: torch.Tensor) -> bool:
+    """Whether ``grouped_mm_experts`` serves activations of ``dtype`` on ``device`` for the experts of
+    ``down_EDI``: bf16 on a Hopper-or-newer GPU, rows a multiple of 16 bytes (the kernel's requirements)."""
     _, D, width = down_EDI.shape
     return (
-        x_TD.is_cuda
-        and x_TD.dtype == torch.bfloat16
+        device.type == "cuda"
+        and dtype == torch.bfloat16
         and down_EDI.dtype == torch.bfloat16
         and D % 8 == 0
         and width % 8 == 0
-        and torch.cuda.get_device_capability(x_TD.device)[0] >= 9
+        and torch.cuda.get_device_capability(device)[0] >= 9
     )
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from areno.models.attention import varlen_available, varlen_features
-from areno.models.moe import sparse_blocks
+from areno.models.moe import grouped_mm_serves, sparse_blocks
 from areno.rollout.attention import PagedAttention, varlen_lse_available
 from areno.rollout.cuda_graph import DecodeGraphRunner
 from areno.rollout.graph_shapes import graph_num_blocks, padded_prefill_batch, padded_prefill_tokens
@@ -73,11 +73,13 @@ class PrefillGraphRunner:
             return "flash varlen attention has no soft-cap, which the model's attention scores take (Gemma 2)"
         if engine.model_config.attention_sinks and not varlen_lse_available():
             return "this torch's varlen attention returns no log-sum-exp, which the model's attention sinks need"
-        dev = engine.device
-        grouped = cache.dtype == torch.bfloat16 and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
-        if sparse_blocks(engine.model) and not grouped:
+        blocks = sparse_blocks(engine.model)
+        if blocks and not all(grouped_mm_serves(cache.dtype, engine.device, b.experts.down_proj) for b in blocks):
             # under capture the experts run densely (``naive_experts``): every expert over every token
-            return "a mixture of experts prefills in a graph only with grouped GEMMs (bf16 on a Hopper or newer GPU)"
+            return (
+                "a mixture of experts prefills in a graph only with grouped GEMMs (bf16 on a Hopper or newer GPU, "
+                "hidden and expert widths multiples of 8)"
+            )
         return None
 
     def clear(self) -> None:

@@ -151,6 +151,28 @@ def test_prefill_graph_runner_refuses_what_flash_cannot_serve():
     assert "mixture of experts" in PrefillGraphRunner.supported(moe)
 
 
+def test_prefill_graph_runner_refuses_experts_the_grouped_gemm_cannot_take(monkeypatch):
+    """On a Hopper GPU in bf16 a mixture of experts prefills in a graph only where ``grouped_mm_experts`` serves
+    its widths (multiples of 8): a captured block of other widths would run every expert over every token."""
+    import types
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+    def reason(moe_width: int) -> str | None:
+        model, cfg = make_model(0, arch="qwen3_moe", num_experts=4, moe_intermediate_size=moe_width)
+        fake = types.SimpleNamespace(
+            cache=types.SimpleNamespace(dtype=torch.bfloat16, head_dim=8),
+            sliding_window=None,
+            model_config=cfg,
+            device=torch.device("cuda", 0),
+            model=model.to(torch.bfloat16),
+        )
+        return PrefillGraphRunner.supported(fake)
+
+    assert reason(16) is None
+    assert "multiples of 8" in reason(12)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen2", "olmo3"])  # olmo3: a 6-key window in layer 0, layer 1 in full
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
