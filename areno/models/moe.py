@@ -14,8 +14,9 @@ Routing as transformers does it: softmax over the router logits in fp32, top-k, 
 renormalised (``norm_topk_prob``; Mixtral, gpt-oss and GraniteMoE always: the latter two's softmax over
 the top-k logits is that), cast to the activations' dtype. GLM-4.5's router (``SigmoidRouter``) scores by a
 sigmoid and chooses within groups by a bias, its weights left in float32 (``SigmoidRouter.weights_dtype``): each
-expert's output times its weight is rounded once, as transformers rounds it; its shared experts (``mlp.shared_experts``, one dense SwiGLU MLP
-the decoder builds and hands in) add to the routed output, ungated. The experts run
+expert's output times its weight is rounded once, as transformers rounds it; its shared experts
+(``mlp.shared_experts``, one dense SwiGLU MLP the decoder builds and hands in) add to the routed output, ungated.
+The experts run
 grouped (``grouped_experts``): the T·k (token, expert) pairs sorted by expert, then one GEMM per
 expert over its contiguous rows, and one scatter-add back, instead of a pass over every token per expert.
 

@@ -66,6 +66,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     peft_cfg = PeftLoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules)
     )
+    expert_model = any(".experts" in n for n, _ in model.named_modules())
     try:
         inject_adapter_in_model(peft_cfg, model)
     except ValueError as exc:
@@ -74,12 +75,11 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
         check_config(
             False,
             "train.lora.target_modules",
-            f"{list(cfg.target_modules)}: peft refuses them ({exc}); "
-            + _advice(any(".experts" in n for n, _ in model.named_modules())),
+            f"{list(cfg.target_modules)}: peft refuses them ({exc}); " + _advice(expert_model),
         )
     _check_adapted(model, cfg, targeted)
     mlp = [n for n in targeted if ".mlp." in n]
-    if mlp and any(".experts" in n for n, _ in model.named_modules()):
+    if mlp and expert_model:
         # Qwen2-MoE: MLP names adapt its shared experts and dense layers; a user may expect the routed ones too
         logger.info(
             "LoRA: %d MLP layers adapted (shared experts and dense layers, e.g. %s); the routed experts stay frozen",
