@@ -50,11 +50,28 @@ from areno.models.hf_io import init_model_dir, tiny_config
 from areno.models.logprobs import packed_logprobs
 from areno.train import FSDP2TrainBackend, LocalTrainBackend, TrainBackendConfig
 from areno.types import TokenBatch
-from bench._common import GEMMA3_1B, OLMO2_1B, QWEN25_05B, QWEN25_15B, emit, headline, parser, profile_cuda, ratio
+from bench._common import (
+    GEMMA2_2B,
+    GEMMA3_1B,
+    OLMO2_1B,
+    QWEN25_05B,
+    QWEN25_15B,
+    emit,
+    headline,
+    parser,
+    profile_cuda,
+    ratio,
+)
 
 H200_PEAK_BF16 = 989e12
 
-SHAPES = {"qwen2.5-0.5b": QWEN25_05B, "qwen2.5-1.5b": QWEN25_15B, "olmo2-1b": OLMO2_1B, "gemma3-1b": GEMMA3_1B}
+SHAPES = {
+    "qwen2.5-0.5b": QWEN25_05B,
+    "qwen2.5-1.5b": QWEN25_15B,
+    "olmo2-1b": OLMO2_1B,
+    "gemma3-1b": GEMMA3_1B,
+    "gemma2-2b": GEMMA2_2B,
+}
 
 
 # ----------------------------------------------------------------------------- batches and FLOPs

@@ -10,6 +10,7 @@ S = the longest sequence.
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,11 +38,19 @@ class AttentionBackend(Protocol):
     softmax's denominator (``explicit_attention``); layers with soft-capped scores (Gemma 2) pass ``softcap=``,
     a float: each scaled score s becomes ``softcap * tanh(s / softcap)`` before the mask and softmax. Only the
     layers of such models pass them, so a backend that takes neither fails loudly, never computes without.
+    Where only some layers slide (``ModelConfig.window_layers``) every layer passes ``windowed=``, whether it takes
+    the window (``layer_slides``).
     """
 
     def __call__(
         self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor
     ) -> torch.Tensor: ...
+
+
+def layer_slides(layer_idx: int, windowed: bool | None, window_layers: Collection[int]) -> bool:
+    """Whether layer ``layer_idx`` takes the window where only ``window_layers`` do: the layer's own ``windowed``
+    when it passes one (``Attention.windowed``; a compiled layer reads no ``layer_idx``), else its index."""
+    return layer_idx in window_layers if windowed is None else windowed
 
 
 @dataclass(frozen=True)
@@ -383,8 +392,9 @@ class PackedCausalAttention:
         v_THD: torch.Tensor,
         sinks_H: torch.Tensor | None = None,
         softcap: float | None = None,
+        windowed: bool | None = None,
     ) -> torch.Tensor:
-        if self._full is not None and layer_idx not in self.window_layers:
+        if self._full is not None and not layer_slides(layer_idx, windowed, self.window_layers):
             return self._full(layer_idx, q_THD, k_THD, v_THD, sinks_H, softcap)
         check_score_terms(self.sinks, self.softcap, sinks_H, softcap)
         self.prepare(q_THD.shape[0], q_THD.device, q_THD.shape[-1], q_THD.dtype, query_heads=q_THD.shape[1])

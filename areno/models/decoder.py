@@ -256,6 +256,9 @@ class Attention(nn.Module):
         self.use_rope = layer_idx not in config.nope_layers
         # which of a stacked [2, T, F] cos/sin this layer turns by (OLMo 3's window layers: their own RoPE)
         self.rope_slot = int(config.window_rope is not None and config.layer_window(layer_idx) is not None)
+        self.windowed = None if config.window_layers is None else config.layer_window(layer_idx) is not None
+        """Where only some layers slide (``window_layers``), whether this one does, told to the backend as a bool:
+        compiled layers then share two graphs, where reading ``layer_idx`` would specialise one per layer."""
         self.rope_interleaved = config.rope_interleaved
         """GLM-4, Ernie 4.5: adjacent dimensions turn together (``apply_rope(interleaved=True)``)."""
         self.rope_in_float32 = config.rope_in_float32
@@ -341,8 +344,11 @@ class Attention(nn.Module):
 
     def score_terms(self) -> dict:
         """What this layer's attention scores take beyond q k^T, as the backends' keyword arguments: gpt-oss's
-        ``sinks_H``, Gemma 2's ``softcap`` (only those a model has, so a backend without them serves the rest)."""
+        ``sinks_H``, Gemma 2's ``softcap``, and ``windowed`` where only some layers slide (only those a model has,
+        so a backend without them serves the rest)."""
         terms: dict = {}
+        if self.windowed is not None:
+            terms["windowed"] = self.windowed
         if self.sinks is not None:
             terms["sinks_H"] = self.sinks
         if self.softcap is not None:

@@ -227,6 +227,10 @@ class Experts(nn.Module):
         if x_TD.is_cuda and torch.cuda.is_current_stream_capturing():
             # a CUDA graph cannot hold the grouped path's host read of the per-expert counts
             return naive_experts(*args, **extra)
+        if torch.compiler.is_compiling():
+            # eager inside a compiled layer: its per-expert counts, read on the host, would specialise the layer's
+            # graph on every count (a recompile per layer and batch, then eager layers past dynamo's limit)
+            return _grouped_experts_eager(*args, **extra)
         return grouped_experts(*args, **extra)
 
 
@@ -271,6 +275,9 @@ def grouped_experts(
     out_ND = torch.cat(pieces)
     out_ND = (out_ND * weights_TK.reshape(-1)[order_N, None]).to(x_TD.dtype)
     return x_TD.new_zeros(T, D).index_add_(0, token_N, out_ND)
+
+
+_grouped_experts_eager = torch.compiler.disable(grouped_experts)
 
 
 def grouped_mm_experts(
@@ -442,9 +449,9 @@ class SparseMoE(nn.Module):
             own_TK = experts_TK
             weights_TK, experts_TK = self.gate.replayed(logits_TE, experts_TK, self.replay_TK, weights_dtype)
             if self.record is not None:  # the router's own choice, and the experts the tokens went to
-                self.record.add(self.layer_idx, own_TK, used_TK=experts_TK)
+                self._record(own_TK, experts_TK)
         elif self.record is not None:
-            self.record.add(self.layer_idx, experts_TK)
+            self._record(experts_TK)
         if self.dispatch is not None:
             # expert parallelism refuses biased or clamped experts (``areno.train.expert_parallel``)
             out_TD = self.dispatch(x_TD, experts_TK, weights_TK, self.experts.gate_up_proj, self.experts.down_proj)
@@ -455,6 +462,19 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:  # in the model dtype, as transformers gates and adds it
             out_TD = out_TD + torch.sigmoid(self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
         return out_TD
+
+    def _record(self, experts_TK: torch.Tensor, used_TK: torch.Tensor | None = None) -> None:
+        if torch.compiler.is_compiling():
+            # eager inside a compiled layer: a read of ``layer_idx`` and of the record's contents would specialise
+            # the layer's graph on each layer (a recompile per layer, then eager layers past dynamo's limit)
+            _record_eagerly(self, experts_TK, used_TK)
+        else:
+            self.record.add(self.layer_idx, experts_TK, used_TK=used_TK)
+
+
+@torch.compiler.disable
+def _record_eagerly(block: SparseMoE, experts_TK: torch.Tensor, used_TK: torch.Tensor | None) -> None:
+    block.record.add(block.layer_idx, experts_TK, used_TK=used_TK)
 
 
 def sparse_blocks(model: nn.Module) -> list[SparseMoE]:

@@ -25,6 +25,7 @@ from areno.models.attention import (
     check_score_terms,
     explicit_attention,
     flash_runs,
+    layer_slides,
     padded_layout,
     padded_sdpa,
     varlen_available,
@@ -259,8 +260,9 @@ class SharedPrefixAttention:
         v_THD: torch.Tensor,
         sinks_H: torch.Tensor | None = None,
         softcap: float | None = None,
+        windowed: bool | None = None,
     ) -> torch.Tensor:
-        if self._full is not None and layer_idx not in self.window_layers:
+        if self._full is not None and not layer_slides(layer_idx, windowed, self.window_layers):
             return self._full(layer_idx, q_THD, k_THD, v_THD, sinks_H, softcap)
         check_score_terms(self.sinks, self.softcap, sinks_H, softcap)
         if self._state is None:

@@ -45,6 +45,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from areno.models import fused_ops
 from areno.models.attention import (
     HeadNorms,
+    layer_slides,
     sink_softmax,
     varlen_causal,
     varlen_features,
@@ -229,8 +230,8 @@ class LayerWindowAttention:
         self.full, self.window = full, window
         self.window_layers = frozenset(window_layers)
 
-    def _of(self, layer_idx: int) -> PagedAttention:
-        return self.window if layer_idx in self.window_layers else self.full
+    def _of(self, layer_idx: int, windowed: bool | None) -> PagedAttention:
+        return self.window if layer_slides(layer_idx, windowed, self.window_layers) else self.full
 
     def __call__(
         self,
@@ -240,12 +241,15 @@ class LayerWindowAttention:
         v_THD: torch.Tensor,
         sinks_H: torch.Tensor | None = None,
         softcap: float | None = None,
+        windowed: bool | None = None,
     ) -> torch.Tensor:
-        return self._of(layer_idx)(layer_idx, q_THD, k_THD, v_THD, sinks_H, softcap)
+        return self._of(layer_idx, windowed)(layer_idx, q_THD, k_THD, v_THD, sinks_H, softcap)
 
-    def attend_rotary(self, layer_idx: int, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+    def attend_rotary(
+        self, layer_idx: int, *args: Any, windowed: bool | None = None, **kwargs: Any
+    ) -> torch.Tensor | None:
         """``PagedAttention.attend_rotary`` of the layer's kind."""
-        return self._of(layer_idx).attend_rotary(layer_idx, *args, **kwargs)
+        return self._of(layer_idx, windowed).attend_rotary(layer_idx, *args, **kwargs)
 
 
 def _block_tables_BN(chunks: list[SeqChunk]) -> torch.Tensor:

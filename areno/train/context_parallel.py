@@ -93,13 +93,15 @@ class UlyssesAttention:
         k_CHD: torch.Tensor,
         v_CHD: torch.Tensor,
         softcap: float | None = None,
+        windowed: bool | None = None,
     ) -> torch.Tensor:
-        """``softcap``: Gemma 2's score cap, which acts on each score alone, so each rank's heads take it as they are."""
+        """``softcap``: Gemma 2's score cap, which acts on each score alone, so each rank's heads take it as they are;
+        ``windowed``: as ``PackedCausalAttention``'s."""
         if k_CHD.shape[1] % self.cp:  # fewer (or indivisible) KV heads: give every query head its own
             groups = q_CHD.shape[1] // k_CHD.shape[1]
             k_CHD, v_CHD = k_CHD.repeat_interleave(groups, dim=1), v_CHD.repeat_interleave(groups, dim=1)
         q_THD, k_THD, v_THD = self._to_heads(q_CHD), self._to_heads(k_CHD), self._to_heads(v_CHD)
-        out_THD = self.inner(layer_idx, q_THD, k_THD, v_THD, softcap=softcap)
+        out_THD = self.inner(layer_idx, q_THD, k_THD, v_THD, softcap=softcap, windowed=windowed)
         return self._to_tokens(out_THD)
 
 

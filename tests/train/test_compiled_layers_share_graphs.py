@@ -1,0 +1,44 @@
+"""Compiled decoder layers (``train.compile``, scope ``layers``) share their graphs across depth: a layer reads nothing
+per layer that dynamo would specialise on (its index, a routing record's contents, a per-expert count), so a deep
+model compiles as many graphs as a shallow one. Past dynamo's recompile limit (8) every further layer ran eagerly,
+flex attention included (which then materialises every score)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from areno.models import Decoder, PackedCausalAttention, moe, tiny_config
+from areno.train.parallelize import apply_compile
+
+VOCAB = 128
+
+
+def _graphs(arch: str, layers: int) -> tuple[int, int]:
+    """(graphs dynamo compiled for a forward, more graphs for a second forward under ``record_routing``)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = tiny_config(VOCAB, hidden_size=64, layers=layers, heads=4, kv_heads=2, arch=arch)
+    model = Decoder(config)
+    graphs = []
+    apply_compile(model, backend=lambda gm, inputs: graphs.append(gm) or gm.forward, scope="layers")
+    cu_B1 = torch.tensor([0, 12, 30])
+    ids_T = torch.randint(0, VOCAB, (30,))
+    pos_T = torch.cat([torch.arange(12), torch.arange(18)])
+    with torch.no_grad():
+        model(ids_T, pos_T, PackedCausalAttention.for_model(cu_B1, config))
+        plain = len(graphs)
+        with moe.record_routing(model) as record:
+            model(ids_T, pos_T, PackedCausalAttention.for_model(cu_B1, config))
+    if moe.sparse_blocks(model):  # the record still holds every sparse layer's routes
+        assert record.stacked().shape == (30, len(moe.sparse_blocks(model)), config.num_experts_per_tok)
+    return plain, len(graphs) - plain
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "olmo3", "gpt_oss", "qwen2_moe", "glm4_moe"])
+def test_a_deep_model_compiles_as_many_graphs_as_a_shallow_one(arch):
+    # gemma2 / gpt_oss: every other layer slides; olmo3: three of four, with their own RoPE; the MoE
+    # families: sparse blocks (glm4_moe after dense ones) recording their routes
+    shallow, deep = _graphs(arch, 4), _graphs(arch, 12)
+    assert deep == shallow, (shallow, deep)
+    assert deep[0] <= 5 and deep[1] <= 2, deep
