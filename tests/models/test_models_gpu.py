@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from areno.models import Decoder, PackedCausalAttention, load_model, save_model, tiny_config
+from areno.models import Decoder, PackedCausalAttention, load_model, moe, save_model, tiny_config
 from areno.models.logprobs import packed_logprobs
 
 pytestmark = pytest.mark.gpu
@@ -22,6 +22,19 @@ def _ref_logprobs(ref, seqs):
             lp = torch.log_softmax(logits[:-1], -1).gather(-1, s[1:, None])[:, 0]
             out.append(torch.cat([lp.new_zeros(1), lp]))
     return torch.cat(out)
+
+
+def _routed_as_float32_T(path, bf16_routes: moe.RoutingRecord, ids_T, cu_B1) -> torch.Tensor:
+    """Per packed token, whether the position its log-prob is read at (the one before it) chose in every sparse
+    layer the top-k expert set areno's float32 model chooses there (on CPU, transformers' float32 model's too) —
+    ``bf16_routes``: the bf16 model's record of the same forward; all True for a dense model."""
+    if not bf16_routes.experts:
+        return torch.ones_like(ids_T, dtype=torch.bool)
+    model32, _ = load_model(path, dtype=torch.float32, device="cuda")
+    with torch.no_grad(), moe.record_routing(model32) as routes32:
+        packed_logprobs(model32, ids_T, cu_B1, chunk_size=128)
+    same_TL = (bf16_routes.stacked().sort(-1).values == routes32.stacked().sort(-1).values).all(-1)
+    return torch.roll(same_TL.all(-1), 1).to(ids_T.device)
 
 
 @pytest.mark.parametrize(
@@ -77,12 +90,15 @@ def test_bf16_logprob_parity_with_transformers(arch, tmp_path):
     del ref16
 
     model, _ = load_model(tmp_path, dtype=torch.bfloat16, device="cuda")
-    with torch.no_grad():
+    with torch.no_grad(), moe.record_routing(model) as routes:
         ours, _ = packed_logprobs(model, ids_T, cu_B1, chunk_size=128)
     err = (ours - expected).abs()
     # bf16 error of the same order as transformers' own bf16 error against fp32.
     assert err.mean() <= 2 * hf_bf16_err.mean() + 1e-3, (err.mean(), hf_bf16_err.mean())
-    assert err.max() <= 2 * hf_bf16_err.max() + 0.05, (err.max(), hf_bf16_err.max())
+    # max over tokens routed as in float32: a near-tie flipped by bf16 costs ~0.5 at a token each model's noise picks
+    keep_T = _routed_as_float32_T(tmp_path, routes, ids_T, cu_B1)
+    assert keep_T.float().mean() >= 0.75, keep_T.float().mean()  # near-ties flip 2-15% on CPU; a broken router, most
+    assert err[keep_T].max() <= 2 * hf_bf16_err[keep_T].max() + 0.05, (err[keep_T].max(), hf_bf16_err[keep_T].max())
 
 
 @pytest.mark.parametrize("impl", ["flex", "varlen", "sdpa"])

@@ -145,6 +145,30 @@ def test_gradients_and_the_load_balancing_loss_match_transformers(tmp_path):
     torch.testing.assert_close(ours.detach(), 0.01 * out.aux_loss, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.skipif(TRANSFORMERS_MAJOR < 5, reason="transformers 4 has no experts_implementation to choose")
+@pytest.mark.parametrize("experts_implementation", ["eager", "grouped_mm"])
+def test_a_bf16_block_rounds_as_transformers_rounds(tmp_path, experts_implementation):
+    """In bf16 the block equals transformers' ``Qwen2MoeSparseMoeBlock`` bit for bit: the top-k weights rounded
+    to bf16 before they scale each expert's output, each product rounded, the shared expert gated in bf16 and
+    added last; the same experts given their weights in float32 do not."""
+    saved_by_transformers(Qwen2MoeConfig, tmp_path / "hf", **SHAPE)
+    ref = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", dtype=torch.bfloat16, experts_implementation=experts_implementation
+    )
+    model, _ = load_model(tmp_path / "hf", dtype=torch.bfloat16)
+    block, ref_block = model.model.layers[2].mlp, ref.model.layers[2].mlp
+    x_TD = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.no_grad():
+        expected_TD = ref_block(x_TD[None])[0]
+        torch.testing.assert_close(block(x_TD), expected_TD, rtol=0, atol=0)
+        logits_TE, weights_TK, experts_TK = block.gate(x_TD)
+        assert weights_TK.dtype == torch.bfloat16 and experts_TK.unique().numel() == 6  # every expert serves
+        unrounded_TK, _ = block.gate.replayed(logits_TE, experts_TK, experts_TK, torch.float32)
+        shared_TD = torch.sigmoid(block.shared_expert_gate(x_TD)) * block.shared_expert(x_TD)
+        unrounded_TD = block.experts(x_TD, experts_TK, unrounded_TK) + shared_TD
+    assert not torch.equal(unrounded_TD, expected_TD)
+
+
 def test_the_rollout_engine_decodes_as_a_recompute_with_and_without_fused_projections(tmp_path):
     saved_by_transformers(Qwen2MoeConfig, tmp_path, **SHAPE)
     model, config = load_model(tmp_path)
