@@ -230,7 +230,9 @@ class Experts(nn.Module):
         if torch.compiler.is_compiling():
             # eager inside a compiled layer: its per-expert counts, read on the host, would specialise the layer's
             # graph on every count (a recompile per layer and batch, then eager layers past dynamo's limit)
-            return _grouped_experts_eager(*args, **extra)
+            from areno.models import eager_breaks  # imports dynamo, loaded by now: a start-up need not
+
+            return eager_breaks.grouped_experts(*args, **extra)
         return grouped_experts(*args, **extra)
 
 
@@ -275,9 +277,6 @@ def grouped_experts(
     out_ND = torch.cat(pieces)
     out_ND = (out_ND * weights_TK.reshape(-1)[order_N, None]).to(x_TD.dtype)
     return x_TD.new_zeros(T, D).index_add_(0, token_N, out_ND)
-
-
-_grouped_experts_eager = torch.compiler.disable(grouped_experts)
 
 
 def grouped_mm_experts(
@@ -467,14 +466,11 @@ class SparseMoE(nn.Module):
         if torch.compiler.is_compiling():
             # eager inside a compiled layer: a read of ``layer_idx`` and of the record's contents would specialise
             # the layer's graph on each layer (a recompile per layer, then eager layers past dynamo's limit)
-            _record_eagerly(self, experts_TK, used_TK)
+            from areno.models import eager_breaks  # imports dynamo, loaded by now: a start-up need not
+
+            eager_breaks.record_routes(self, experts_TK, used_TK)
         else:
             self.record.add(self.layer_idx, experts_TK, used_TK=used_TK)
-
-
-@torch.compiler.disable
-def _record_eagerly(block: SparseMoE, experts_TK: torch.Tensor, used_TK: torch.Tensor | None) -> None:
-    block.record.add(block.layer_idx, experts_TK, used_TK=used_TK)
 
 
 def sparse_blocks(model: nn.Module) -> list[SparseMoE]:
