@@ -114,6 +114,7 @@ class FSDP2TrainBackend(PackedTrainBackend):
             param_dtype=compute,
             reduce_dtype=self.cfg.torch_dtype(),
             cp_group=self._cp_group,
+            device_type=self.device.type,
         )
         from torch.distributed.fsdp import FSDPModule  # slow to import (sympy): only once a model is sharded
 

@@ -39,7 +39,7 @@ class LocalTrainBackend(PackedTrainBackend):
 
     def _parallelize(self, model: nn.Module) -> nn.Module:
         compute = self.cfg.torch_param_dtype(self.device.type)
-        return parallelize(model, None, self.cfg, param_dtype=compute).to(self.device)
+        return parallelize(model, None, self.cfg, param_dtype=compute, device_type=self.device.type).to(self.device)
 
     def _autocast(self) -> AbstractContextManager:
         stack = ExitStack()

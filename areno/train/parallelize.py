@@ -123,7 +123,16 @@ def _decoder(model: nn.Module, needs: str) -> nn.Module:
     raise ValueError(f"{needs} needs an areno Decoder inside {type(model).__name__}")
 
 
-def apply_compile(model: nn.Module, *, backend: str = "inductor", scope: str = "layers") -> None:
+CUDA_RECOMPILE_LIMIT = 64
+"""Dynamo's graphs per compiled code object on CUDA (its default: 8). The layers share graphs by kind, and the kinds
+multiply: sliding or not, sparse or dense, grad or no-grad (the proximal and reference forwards), trainable or frozen
+(the reference model's layers run the same code), a routing record or none, static then dynamic token counts. Past the
+limit a new kind runs eagerly, flex attention unfused."""
+
+
+def apply_compile(
+    model: nn.Module, *, backend: str = "inductor", scope: str = "layers", device_type: str = "cpu"
+) -> None:
     """Compile in place. ``scope="layers"``: each decoder layer (one graph shared by all layers,
     so compile time does not grow with depth). ``scope="model"``: the whole layer stack and the
     final norm as one graph (``Decoder.forward_layers``): one compiled call per forward and one
@@ -131,9 +140,15 @@ def apply_compile(model: nn.Module, *, backend: str = "inductor", scope: str = "
     across layer boundaries; compile time grows with depth. Names and parameters are unchanged
     either way. ``dynamic=None``: the first graph is specialised to the first micro-batch's token
     count (fixed-size packed micro-batches keep it), and the first different count recompiles
-    once with a symbolic one."""
+    once with a symbolic one. ``device_type`` ``cuda`` raises dynamo's recompile limit to ``CUDA_RECOMPILE_LIMIT``
+    (for the process); on CPU the padded attention's layout, read per micro-batch, would recompile for each new
+    layout, and eager past dynamo's default limit costs less there."""
     if scope not in COMPILE_SCOPES:
         raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {scope!r}")
+    if device_type == "cuda":
+        import torch._dynamo.config as dynamo_config
+
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, CUDA_RECOMPILE_LIMIT)
     if scope == "model":
         decoder = _decoder(model, "compile_scope='model'")
         # an instance attribute shadows the method: Decoder.forward calls the compiled stack
@@ -196,6 +211,7 @@ def parallelize(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype = torch.float32,
     cp_group: dist.ProcessGroup | None = None,
+    device_type: str = "cpu",
 ) -> nn.Module:
     """Apply expert parallelism (``cfg.ep_size``), TP, activation checkpointing, compile and FSDP2
     in that order; returns ``model``.
@@ -204,6 +220,7 @@ def parallelize(
     ("dp_replicate", "dp_shard", "tp"); FSDP shards over dp_shard and replicates over
     dp_replicate (HSDP when that is > 1); a mesh of one rank gets one FSDP group for the whole model.
     ``cp_group``: this rank's context-parallel group when ``cfg.cp_size`` > 1 (the FSDP backend makes it).
+    ``device_type``: where the model trains (``apply_compile``'s).
     """
     if cfg.cp_size > 1:
         if cp_group is None or mesh is None:
@@ -215,7 +232,7 @@ def parallelize(
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.compile:
-        apply_compile(model, scope=cfg.compile_scope)
+        apply_compile(model, scope=cfg.compile_scope, device_type=device_type)
     if mesh is not None:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
         apply_fsdp(

@@ -42,3 +42,37 @@ def test_a_deep_model_compiles_as_many_graphs_as_a_shallow_one(arch):
     shallow, deep = _graphs(arch, 4), _graphs(arch, 12)
     assert deep == shallow, (shallow, deep)
     assert deep[0] <= 5 and deep[1] <= 2, deep
+
+
+def _step_kinds(device_type: str) -> int:
+    """The forwards of a step with a reference model: the policy with grad and without (the proximal forward) and a
+    frozen reference, at three token counts, over Gemma 3's sliding and full layers; attention as one mask tensor,
+    as flex's block mask on CUDA. Returns the graphs compiled."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = tiny_config(VOCAB, hidden_size=64, layers=6, heads=4, kv_heads=2, arch="gemma3")
+    policy, reference = Decoder(config), Decoder(config).requires_grad_(False)
+    graphs = []
+    for model in (policy, reference):
+        backend = lambda gm, inputs: graphs.append(gm) or gm.forward
+        apply_compile(model, backend=backend, scope="layers", device_type=device_type)
+    for T in (30, 41, 57):
+        cu_B1 = torch.tensor([0, T // 3, T])
+        ids_T = torch.randint(0, VOCAB, (T,))
+        pos_T = torch.cat([torch.arange(T // 3), torch.arange(T - T // 3)])
+        for model, grad in ((policy, False), (reference, False), (policy, True)):
+            with torch.set_grad_enabled(grad):
+                out = model(ids_T, pos_T, PackedCausalAttention.for_model(cu_B1, config, impl="sdpa_mask"))
+            if grad:
+                out.float().sum().backward()
+    return len(graphs)
+
+
+def test_on_cuda_a_steps_kinds_of_forward_stay_compiled(monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    with pytest.raises(Exception, match="recompile_limit"):  # dynamo's default: the last kinds would run eagerly
+        _step_kinds("cpu")
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    assert 8 < _step_kinds("cuda") <= 16
+    assert torch._dynamo.config.recompile_limit == 64
