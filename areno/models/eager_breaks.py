@@ -1,18 +1,22 @@
-"""What a compiled decoder layer runs eagerly, behind a graph break (``torch.compiler.disable``): the reads a graph
-would specialise on, once per layer. ``moe`` imports this module only while dynamo traces, since
-``torch.compiler.disable`` imports dynamo, which a start-up before the first rollout token does without."""
+"""What a compiled decoder layer runs eagerly, behind a graph break: the reads a graph would specialise on, once per
+layer (a sparse block's ``layer_idx`` and routing record, the CPU experts' host-read counts). ``call`` is
+``torch.compiler.disable`` of a trampoline, made on first use: by then dynamo is tracing, so loaded, while at
+import it would load dynamo before a start-up's first rollout token, which does without it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-from areno.models import moe
 
-grouped_experts = torch.compiler.disable(moe.grouped_experts)
-"""``moe.grouped_experts``, whose per-expert counts are read on the host: traced, each count would be a guard."""
+def _call(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
 
 
-@torch.compiler.disable
-def record_routes(block: moe.SparseMoE, experts_TK: torch.Tensor, used_TK: torch.Tensor | None) -> None:
-    """A sparse block's routes into its record: traced, ``layer_idx`` and the record's contents would be guards."""
-    block.record.add(block.layer_idx, experts_TK, used_TK=used_TK)
+def __getattr__(name: str) -> Any:
+    if name != "call":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    call = globals()["call"] = torch.compiler.disable(_call)
+    return call

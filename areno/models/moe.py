@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from areno.models import eager_breaks
 from areno.models.config import GPT_OSS, GRANITEMOE, ModelConfig
 
 ExpertDispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -230,9 +231,7 @@ class Experts(nn.Module):
         if torch.compiler.is_compiling():
             # eager inside a compiled layer: its per-expert counts, read on the host, would specialise the layer's
             # graph on every count (a recompile per layer and batch, then eager layers past dynamo's limit)
-            from areno.models import eager_breaks  # imports dynamo, loaded by now: a start-up need not
-
-            return eager_breaks.grouped_experts(*args, **extra)
+            return eager_breaks.call(grouped_experts, *args, **extra)
         return grouped_experts(*args, **extra)
 
 
@@ -466,11 +465,13 @@ class SparseMoE(nn.Module):
         if torch.compiler.is_compiling():
             # eager inside a compiled layer: a read of ``layer_idx`` and of the record's contents would specialise
             # the layer's graph on each layer (a recompile per layer, then eager layers past dynamo's limit)
-            from areno.models import eager_breaks  # imports dynamo, loaded by now: a start-up need not
-
-            eager_breaks.record_routes(self, experts_TK, used_TK)
+            eager_breaks.call(_record_routes, self, experts_TK, used_TK)
         else:
-            self.record.add(self.layer_idx, experts_TK, used_TK=used_TK)
+            _record_routes(self, experts_TK, used_TK)
+
+
+def _record_routes(block: SparseMoE, experts_TK: torch.Tensor, used_TK: torch.Tensor | None) -> None:
+    block.record.add(block.layer_idx, experts_TK, used_TK=used_TK)
 
 
 def sparse_blocks(model: nn.Module) -> list[SparseMoE]:

@@ -20,18 +20,21 @@ def _graphs(arch: str, layers: int) -> tuple[int, int]:
     torch.manual_seed(0)
     config = tiny_config(VOCAB, hidden_size=64, layers=layers, heads=4, kv_heads=2, arch=arch)
     model = Decoder(config)
-    graphs = []
-    apply_compile(model, backend=lambda gm, inputs: graphs.append(gm) or gm.forward, scope="layers")
     cu_B1 = torch.tensor([0, 12, 30])
     ids_T = torch.randint(0, VOCAB, (30,))
     pos_T = torch.cat([torch.arange(12), torch.arange(18)])
+    with torch.no_grad(), moe.record_routing(model) as eager_record:
+        eager_TV = model(ids_T, pos_T, PackedCausalAttention.for_model(cu_B1, config))
+    graphs = []
+    apply_compile(model, backend=lambda gm, inputs: graphs.append(gm) or gm.forward, scope="layers")
     with torch.no_grad():
         model(ids_T, pos_T, PackedCausalAttention.for_model(cu_B1, config))
         plain = len(graphs)
         with moe.record_routing(model) as record:
-            model(ids_T, pos_T, PackedCausalAttention.for_model(cu_B1, config))
-    if moe.sparse_blocks(model):  # the record still holds every sparse layer's routes
-        assert record.stacked().shape == (30, len(moe.sparse_blocks(model)), config.num_experts_per_tok)
+            compiled_TV = model(ids_T, pos_T, PackedCausalAttention.for_model(cu_B1, config))
+    torch.testing.assert_close(compiled_TV, eager_TV)
+    if moe.sparse_blocks(model):  # the eager breaks recorded every sparse layer's routes, as an eager forward does
+        assert torch.equal(record.stacked(), eager_record.stacked())
     return plain, len(graphs) - plain
 
 
