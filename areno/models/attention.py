@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from areno.models import compiled
 from areno.models.config import ModelConfig
 from areno.models.eager_ops import soft_cap
 from areno.types import sequence_index_T
@@ -876,5 +877,6 @@ def _compiled_flex_attention():
     if _FLEX is None:
         from torch.nn.attention.flex_attention import flex_attention
 
+        compiled.allow_kinds()  # sliding or full masks, grad or not, static then dynamic: more than dynamo's 8
         _FLEX = torch.compile(flex_attention, dynamic=None)
     return _FLEX

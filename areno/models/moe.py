@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from areno.models import eager_breaks
+from areno.models import compiled
 from areno.models.config import GPT_OSS, GRANITEMOE, ModelConfig
 
 ExpertDispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -231,7 +231,7 @@ class Experts(nn.Module):
         if torch.compiler.is_compiling():
             # eager inside a compiled layer: its per-expert counts, read on the host, would specialise the layer's
             # graph on every count (a recompile per layer and batch, then eager layers past dynamo's limit)
-            return eager_breaks.call(grouped_experts, *args, **extra)
+            return compiled.call(grouped_experts, *args, **extra)
         return grouped_experts(*args, **extra)
 
 
@@ -465,7 +465,7 @@ class SparseMoE(nn.Module):
         if torch.compiler.is_compiling():
             # eager inside a compiled layer: a read of ``layer_idx`` and of the record's contents would specialise
             # the layer's graph on each layer (a recompile per layer, then eager layers past dynamo's limit)
-            eager_breaks.call(_record_routes, self, experts_TK, used_TK)
+            compiled.call(_record_routes, self, experts_TK, used_TK)
         else:
             _record_routes(self, experts_TK, used_TK)
 

@@ -46,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 import areno.train.vocab_parallel  # noqa: F401  (routes DTensor LM heads to the vocab-parallel log-probs)
 from areno.errors import ConfigError
+from areno.models import compiled
 from areno.models.moe import sparse_blocks
 from areno.models.tp_plan import COLWISE, ROWWISE, check_tp_norms, tp_plan, tp_style
 from areno.models.vision import vision_towers
@@ -123,13 +124,6 @@ def _decoder(model: nn.Module, needs: str) -> nn.Module:
     raise ValueError(f"{needs} needs an areno Decoder inside {type(model).__name__}")
 
 
-CUDA_RECOMPILE_LIMIT = 64
-"""Dynamo's graphs per compiled code object on CUDA (its default: 8). The layers share graphs by kind, and the kinds
-multiply: sliding or not, sparse or dense, grad or no-grad (the proximal and reference forwards), trainable or frozen
-(the reference model's layers run the same code), a routing record or none, static then dynamic token counts. Past the
-limit a new kind runs eagerly, flex attention unfused."""
-
-
 def apply_compile(
     model: nn.Module, *, backend: str = "inductor", scope: str = "layers", device_type: str = "cpu"
 ) -> None:
@@ -140,15 +134,13 @@ def apply_compile(
     across layer boundaries; compile time grows with depth. Names and parameters are unchanged
     either way. ``dynamic=None``: the first graph is specialised to the first micro-batch's token
     count (fixed-size packed micro-batches keep it), and the first different count recompiles
-    once with a symbolic one. ``device_type`` ``cuda`` raises dynamo's recompile limit to ``CUDA_RECOMPILE_LIMIT``
+    once with a symbolic one. ``device_type`` ``cuda`` raises dynamo's recompile limit (``compiled.allow_kinds``)
     (for the process); on CPU the padded attention's layout, read per micro-batch, would recompile for each new
     layout, and eager past dynamo's default limit costs less there."""
     if scope not in COMPILE_SCOPES:
         raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {scope!r}")
     if device_type == "cuda":
-        import torch._dynamo.config as dynamo_config
-
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, CUDA_RECOMPILE_LIMIT)
+        compiled.allow_kinds()
     if scope == "model":
         decoder = _decoder(model, "compile_scope='model'")
         # an instance attribute shadows the method: Decoder.forward calls the compiled stack

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areno.models import Decoder, PackedCausalAttention, moe, tiny_config
+from areno.models import Decoder, PackedCausalAttention, attention, compiled, moe, tiny_config
 from areno.train.parallelize import apply_compile
 
 VOCAB = 128
@@ -78,4 +78,13 @@ def test_on_cuda_a_steps_kinds_of_forward_stay_compiled(monkeypatch):
         _step_kinds("cpu")
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     assert 8 < _step_kinds("cuda") <= 16
-    assert torch._dynamo.config.recompile_limit == 64
+    assert torch._dynamo.config.recompile_limit == compiled.RECOMPILE_LIMIT
+
+
+def test_the_compiled_flex_attention_allows_a_steps_kinds(monkeypatch):
+    # eager layers on CUDA (train.compile=false) still compile flex: its masks (sliding or full), grad mode and
+    # token counts multiply as the layers' kinds do
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    monkeypatch.setattr(attention, "_FLEX", None)
+    attention._compiled_flex_attention()
+    assert torch._dynamo.config.recompile_limit == compiled.RECOMPILE_LIMIT
