@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
 from areno.api.config import load_config
 from areno.api.trainer import Trainer
+from areno.models import load_model
 from tests.helpers.configs import tiny_grpo_overrides
 from tests.helpers.train import make_model_dir
 
@@ -87,3 +88,17 @@ def glm4_moe_dir(path: Path, *, seed: int, biased: bool) -> Path:
             state[BIAS.format(i)] = 0.3 * torch.randn(state[BIAS.format(i)].shape, generator=gen)
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+def bf16_blocks(hf_dir: Path, layer: int, experts_implementation: str = "eager"):
+    """A checkpoint's sparse block in bf16, areno's and transformers' (with ``experts_implementation``), a bf16
+    input x [64, D] and transformers' output for it: what a bit-for-bit rounding test compares."""
+    ref = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.bfloat16, experts_implementation=experts_implementation
+    )
+    model, config = load_model(hf_dir, dtype=torch.bfloat16)
+    block, ref_block = model.model.layers[layer].mlp, ref.model.layers[layer].mlp
+    x_TD = torch.randn(64, config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.no_grad():
+        expected_TD = ref_block(x_TD[None])[0]
+    return block, x_TD, expected_TD

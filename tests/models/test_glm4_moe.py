@@ -33,6 +33,7 @@ from tests.helpers.families import (
     saved_by_transformers,
     saved_names,
 )
+from tests.helpers.moe import bf16_blocks
 
 SHAPE = dict(
     num_hidden_layers=3,
@@ -154,12 +155,8 @@ def test_a_bf16_expert_block_rounds_as_transformers_rounds(tmp_path):
     """The float32 router's weights multiply each expert's bf16 output unrounded, the product rounded once
     (transformers' eager experts): the block equals transformers' bit for bit; weights rounded first do not."""
     _saved(tmp_path / "hf")
-    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16, experts_implementation="eager")
-    model, _ = load_model(tmp_path / "hf", dtype=torch.bfloat16)
-    block, ref_block = model.model.layers[1].mlp, ref.model.layers[1].mlp
-    x_TD = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)).bfloat16()
+    block, x_TD, expected_TD = bf16_blocks(tmp_path / "hf", 1)
     with torch.no_grad():
-        expected_TD = ref_block(x_TD[None])[0]
         torch.testing.assert_close(block(x_TD), expected_TD, rtol=0, atol=0)
         _, weights_TK, experts_TK = block.gate(x_TD)
         assert weights_TK.dtype == torch.float32

@@ -35,6 +35,7 @@ from tests.helpers.families import (
     saved_by_transformers,
     saved_names,
 )
+from tests.helpers.moe import bf16_blocks
 
 TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 # three layers: sparse, dense (mlp_only_layers), sparse; the shared expert wider than the routed ones
@@ -152,14 +153,8 @@ def test_a_bf16_block_rounds_as_transformers_rounds(tmp_path, experts_implementa
     to bf16 before they scale each expert's output, each product rounded, the shared expert gated in bf16 and
     added last; the same experts given their weights in float32 do not."""
     saved_by_transformers(Qwen2MoeConfig, tmp_path / "hf", **SHAPE)
-    ref = AutoModelForCausalLM.from_pretrained(
-        tmp_path / "hf", dtype=torch.bfloat16, experts_implementation=experts_implementation
-    )
-    model, _ = load_model(tmp_path / "hf", dtype=torch.bfloat16)
-    block, ref_block = model.model.layers[2].mlp, ref.model.layers[2].mlp
-    x_TD = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)).bfloat16()
+    block, x_TD, expected_TD = bf16_blocks(tmp_path / "hf", 2, experts_implementation)
     with torch.no_grad():
-        expected_TD = ref_block(x_TD[None])[0]
         torch.testing.assert_close(block(x_TD), expected_TD, rtol=0, atol=0)
         logits_TE, weights_TK, experts_TK = block.gate(x_TD)
         assert weights_TK.dtype == torch.bfloat16 and experts_TK.unique().numel() == 6  # every expert serves
