@@ -134,9 +134,9 @@ def apply_compile(
     across layer boundaries; compile time grows with depth. Names and parameters are unchanged
     either way. ``dynamic=None``: the first graph is specialised to the first micro-batch's token
     count (fixed-size packed micro-batches keep it), and the first different count recompiles
-    once with a symbolic one. ``device_type`` ``cuda`` raises dynamo's recompile limit (``compiled.allow_kinds``)
-    (for the process); on CPU the padded attention's layout, read per micro-batch, would recompile for each new
-    layout, and eager past dynamo's default limit costs less there."""
+    once with a symbolic one. On CUDA (``device_type``) dynamo's recompile limit is raised for the process
+    (``compiled.allow_kinds``); on CPU the padded attention's layout, read per micro-batch, would recompile for each
+    new layout, and eager past dynamo's default limit costs less there."""
     if scope not in COMPILE_SCOPES:
         raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {scope!r}")
     if device_type == "cuda":
