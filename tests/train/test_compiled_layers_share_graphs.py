@@ -88,3 +88,43 @@ def test_the_compiled_flex_attention_allows_a_steps_kinds(monkeypatch):
     monkeypatch.setattr(attention, "_FLEX", None)
     attention._compiled_flex_attention()
     assert torch._dynamo.config.recompile_limit == compiled.RECOMPILE_LIMIT
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_compiled_sparse_layers_replay_record_and_backpropagate_as_eager_ones(arch, checkpointed):
+    # the CPU experts (grouped_experts) and the routing record run behind compiled.call's graph break: the
+    # gradients through them, the replayed routes and both records equal an eager model's; activation
+    # checkpointing recomputes the compiled layers in backward under the same replay (RoutingMonitor.replaying)
+    import copy
+
+    from areno.train.parallelize import apply_activation_checkpointing
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = tiny_config(VOCAB, hidden_size=64, layers=4, heads=4, kv_heads=2, arch=arch)
+    eager = Decoder(config)
+    model = copy.deepcopy(eager)
+    if checkpointed:
+        apply_activation_checkpointing(model)
+    apply_compile(model, backend="aot_eager", scope="layers")
+    cu_B1 = torch.tensor([0, 12, 30])
+    ids_T = torch.randint(0, VOCAB, (30,))
+    pos_T = torch.cat([torch.arange(12), torch.arange(18)])
+    K, L = config.num_experts_per_tok, len(moe.sparse_blocks(eager))
+    routes_TLK = torch.stack([torch.randperm(config.num_experts)[:K] for _ in range(30 * L)]).view(30, L, K)
+    routes_TLK[::3] = -1  # those tokens keep their own top-k
+    seen = []
+    for m in (eager, model):
+        with moe.replay_routes(m, routes_TLK):
+            with moe.record_routing(m) as record:
+                out_TV = m(ids_T, pos_T, PackedCausalAttention.for_model(cu_B1, config))
+            out_TV.float().square().mean().backward()
+        grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+        seen.append((out_TV.detach(), record.stacked(), record.stacked(used=True), grads))
+    (e_TV, e_own, e_used, e_grads), (c_TV, c_own, c_used, c_grads) = seen
+    torch.testing.assert_close(c_TV, e_TV)
+    assert torch.equal(c_own, e_own) and torch.equal(c_used, e_used)
+    assert c_grads.keys() == e_grads.keys() and any("experts.gate_up_proj" in n for n in e_grads)
+    for name, grad in e_grads.items():
+        torch.testing.assert_close(c_grads[name], grad, msg=name)
