@@ -222,6 +222,33 @@ GEMMA2_2B = {
     "torch_dtype": "bfloat16",
 }
 """gemma-2-2b's shape."""
+GRANITEMOE_1B = {
+    "architectures": ["GraniteMoeForCausalLM"],
+    "model_type": "granitemoe",
+    "hidden_size": 1024,
+    "intermediate_size": 512,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 8,
+    "vocab_size": 49155,
+    "max_position_embeddings": 4096,
+    "embedding_multiplier": 12.0,
+    "attention_multiplier": 0.015625,
+    "residual_multiplier": 0.22,
+    "logits_scaling": 6.0,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "tie_word_embeddings": True,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "pad_token_id": 0,
+    "torch_dtype": "bfloat16",
+}
+"""A 1.3B expert model in granite-3.0-1b-a400m's layout (24 layers, 32 experts of width 512 a layer, 8 a token):
+a mixture of experts that one GPU trains in full."""
 
 COMMIT_ENV = "ARENO_COMMIT"
 """Overrides the commit read from git: a run from an exported tree (``git archive``, no ``.git``)

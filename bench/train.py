@@ -53,6 +53,7 @@ from areno.types import TokenBatch
 from bench._common import (
     GEMMA2_2B,
     GEMMA3_1B,
+    GRANITEMOE_1B,
     OLMO2_1B,
     QWEN25_05B,
     QWEN25_15B,
@@ -71,6 +72,7 @@ SHAPES = {
     "olmo2-1b": OLMO2_1B,
     "gemma3-1b": GEMMA3_1B,
     "gemma2-2b": GEMMA2_2B,
+    "granitemoe-1b": GRANITEMOE_1B,
 }
 
 
@@ -114,9 +116,20 @@ def packable_lengths(n_mbs: int, mb_tokens: int, rng: random.Random) -> list[int
 
 
 def flops_per_token(cfg: ModelConfig, batch: TokenBatch) -> float:
+    """Model FLOPs a token of ``batch`` costs; a sparse layer counts the experts a token reaches (top k), the shared
+    ones and the router."""
     d, dh, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    per_layer = d * (hq + 2 * hkv) * dh + hq * dh * d + 3 * d * cfg.intermediate_size
-    matmul_params = cfg.num_hidden_layers * per_layer + cfg.vocab_size * d
+    attn_params = d * (hq + 2 * hkv) * dh + hq * dh * d
+    sparse_width = (
+        cfg.num_experts_per_tok * cfg.moe_intermediate_size
+        + cfg.shared_expert_intermediate_size
+        + cfg.n_shared_experts * cfg.moe_intermediate_size
+    )
+    mlp_params = sum(
+        3 * d * sparse_width + d * cfg.num_experts if cfg.is_moe_layer(i) else 3 * d * cfg.intermediate_size
+        for i in range(cfg.num_hidden_layers)
+    )
+    matmul_params = cfg.num_hidden_layers * attn_params + mlp_params + cfg.vocab_size * d
     seqlens = batch.seqlens_B.double()
     mean_ctx = float((seqlens * (seqlens + 1) / 2).sum() / seqlens.sum())
     attn = 3 * 4 * cfg.num_hidden_layers * hq * dh * mean_ctx
