@@ -1,7 +1,7 @@
 """Training-backend throughput: tokens/s and MFU of forward + backward + optimizer step.
 
-GPU (default when CUDA is present): random-init models of Qwen2.5-0.5B and 1.5B shape (HF config
-dicts below), packed 4,096-token micro-batches of mixed-length sequences (document-masked
+GPU (default when CUDA is present): random-init models of Qwen2.5-0.5B and 1.5B shape by default (``--models``:
+also OLMo 2 1B, Gemma 3 1B, Gemma 2 2B and a 1.3B Granite 3 MoE; HF config dicts in ``bench/_common.py``), packed 4,096-token micro-batches of mixed-length sequences (document-masked
 attention), bf16 compute with fp32 master weights, AdamW (fused). MFU is reported against both the
 dense bf16 matmul rate measured in the same run (8192^3 GEMMs) and the datasheet peak
 (H200: 989 TFLOP/s dense bf16). Peak memory is torch.cuda.max_memory_allocated.
@@ -10,8 +10,9 @@ CPU: a tiny model, report only, plus packed vs padded tokens/s on a length-skewe
 emulated by extending every sequence to the longest one with out-of-loss pad tokens, which costs the
 FLOPs a padded batch costs).
 
-Model FLOPs per token: 6 x (matmul parameters incl. the LM head) + causal attention
-3 x 4 x layers x Hq x Dh x mean context (mean over tokens of their position + 1). The chunked
+Model FLOPs per token: 6 x (matmul parameters incl. the LM head; of a sparse layer, the experts a token
+reaches, the shared ones and the router) + causal attention 3 x 4 x layers x Hq x Dh x mean context (mean over
+tokens of their position + 1). The chunked
 log-prob recomputation in backward is not counted (MFU counts model FLOPs only).
 
 Speed levers are compared side by side in one run (``--variants``, each a fresh backend on the
