@@ -480,7 +480,8 @@ def physical_floor(
     """Lower bounds of one step's seconds: decode (bandwidth-bound) and training (compute-bound).
     ``lengths``: each sequence's completion length (default: all ``completion_len``); decode step i reads
     the weights and the KV cache of the sequences still generating. Training: forward and backward (6
-    FLOPs a weight a token) of the work a step cannot skip: the decoder's layers over each group's prompt
+    FLOPs a weight a token; of a sparse layer's experts, the top k) of the work a step cannot skip: the decoder's
+    layers over each group's prompt
     once (``group_size`` sequences share it) and every completion token, the output layer over the
     completion tokens (the only ones with a loss), and causal attention's two products (12 FLOPs a head
     dimension a query a key) over the keys each of those tokens sees."""
@@ -495,7 +496,13 @@ def physical_floor(
     completion_tokens = sum(lengths)
     head = config.hidden_size * config.vocab_size
     embed = 0 if config.tie_word_embeddings else head  # the input embedding: a lookup, no GEMM
-    layer_params = params - head - embed
+    # a sparse layer multiplies each token by its top-k experts (and the shared ones, the router): the rest stay idle
+    expert = 3 * config.hidden_size * config.moe_intermediate_size
+    if config.expert_bias:
+        expert += 2 * config.moe_intermediate_size + config.hidden_size
+    sparse = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    idle = sparse * (config.num_experts - config.num_experts_per_tok) * expert
+    layer_params = params - head - embed - idle
     layer_flops = 6 * layer_params * (groups * prompt_len + completion_tokens)
     head_flops = 6 * head * completion_tokens
     width = config.num_hidden_layers * config.num_attention_heads * config.head_dim

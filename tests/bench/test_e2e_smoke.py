@@ -36,6 +36,19 @@ def test_physical_floor_by_hand():
     assert shared["gen_floor_s"] == floor["gen_floor_s"]
 
 
+def test_physical_floor_counts_the_experts_a_token_reaches():
+    """A mixture of experts decodes reading every expert, and trains each token through its top k of them."""
+    cfg = tiny_config(100, hidden_size=32, layers=2, heads=4, kv_heads=2, arch="qwen3_moe")
+    floor = e2e.physical_floor(cfg, 2, 3, 2, 2, 1e6, 1e9)
+    assert floor["params"] == cfg.num_params()
+    head = 32 * 100
+    # 2 layers x (4 experts - top 2) x 3 x 32 x 32 weights a token does not reach
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 32)
+    layers = cfg.num_params() - head - (0 if cfg.tie_word_embeddings else head) - 2 * 2 * 3 * 32 * 32
+    train = 6 * layers * (6 + 4) + 6 * head * 4 + 12 * (2 * 4 * 8) * (12 + 18)  # as test_physical_floor_by_hand
+    assert floor["train_floor_s"] == pytest.approx(train / 1e9)
+
+
 def test_physical_floor_of_varied_lengths_by_hand():
     """Completions of 1 and 3 tokens after 2 prompt tokens: decode step i reads the weights and the KV
     cache of the sequences still generating; training counts their tokens."""
