@@ -318,6 +318,30 @@ def stamp() -> dict[str, str]:
     }
 
 
+def expert_params(cfg) -> int:
+    """Parameters of one routed expert: its gate, up and down projections (and, with ``expert_bias``, their biases)."""
+    d, i = cfg.hidden_size, cfg.moe_intermediate_size
+    return 3 * d * i + ((2 * i + d) if cfg.expert_bias else 0)
+
+
+def step_weight_params(cfg, experts_read: float | None = None) -> float:
+    """Parameters a forward step over a batch of rows must read once: all of ``cfg.num_params()`` but an untied
+    input embedding (a lookup reads only the rows' own rows of it) and, of each sparse layer's routed experts, all
+    but ``experts_read`` (default the top k: the fewest any routing of the rows reaches; the shared experts and the
+    router are read by every row)."""
+    k = cfg.num_experts_per_tok if experts_read is None else experts_read
+    sparse = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    return cfg.num_params() - embed - sparse * (cfg.num_experts - k) * expert_params(cfg)
+
+
+def uniform_experts_reached(cfg, rows: int) -> float:
+    """Routed experts of a sparse layer that ``rows`` rows reach on average when each row picks its top k uniformly
+    at random: each expert is missed by a row with probability 1 - k/E. A model of routing, not a bound."""
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    return e * (1 - (1 - k / e) ** rows) if e else 0.0
+
+
 def ratio(numerator: float | None, denominator: float | None, digits: int = 3) -> float | None:
     """``numerator / denominator`` rounded, or None when either is missing (no baseline ran) or zero."""
     if not numerator or not denominator:

@@ -27,8 +27,9 @@ bf16 checkpoint as bf16 parameters; areno ``model.dtype=bfloat16``). The rollout
 ``--param-dtype float32`` runs areno's config default instead (fp32 master weights, bf16 compute under
 autocast): the path a default one-GPU run takes.
 
-Physical floor (measured in the same run): generation = sum over the decode steps of (weight bytes +
-KV bytes of all sequences at that step) / copy bandwidth (read + write bytes of a large
+Physical floor (measured in the same run): generation = sum over the decode steps of (the bytes of the weights a
+step cannot skip: all but an untied input embedding, of a sparse layer's routed experts the top k + KV bytes of all
+sequences at that step) / copy bandwidth (read + write bytes of a large
 device-to-device copy over its time); training = the forward and backward FLOPs a step cannot skip
 (the layers over each group's prompt once and every completion token, the output layer over the
 completion tokens, causal attention; ``physical_floor``) / bf16 matmul rate (8192^3 GEMMs). Both rates are
@@ -93,6 +94,7 @@ from bench._common import (
     headline,
     keep_work_dir,
     parser,
+    step_weight_params,
     work_dir,
 )
 
@@ -479,7 +481,9 @@ def physical_floor(
 ) -> dict:
     """Lower bounds of one step's seconds: decode (bandwidth-bound) and training (compute-bound).
     ``lengths``: each sequence's completion length (default: all ``completion_len``); decode step i reads
-    the weights and the KV cache of the sequences still generating. Training: forward and backward (6
+    the weights (``step_weight_params``: of a sparse layer's routed experts the top k, which rows that all pick
+    the same experts read; not an untied input embedding, a lookup) and the KV cache of the sequences still
+    generating. Training: forward and backward (6
     FLOPs a weight a token; of a sparse layer's experts, the top k) of the work a step cannot skip: the decoder's
     layers over each group's prompt
     once (``group_size`` sequences share it) and every completion token, the output layer over the
@@ -487,7 +491,10 @@ def physical_floor(
     dimension a query a key) over the keys each of those tokens sees."""
     lengths = lengths if lengths is not None else [completion_len] * num_seqs
     params = config.num_params()
-    weight_bytes = params * rollout_elt
+    # the weights a step reads (and a token multiplies by): not an untied input embedding (a lookup); of a sparse
+    # layer's routed experts, the top k (a decode step's rows may all pick the same k; a token reaches k)
+    reached = step_weight_params(config)
+    weight_bytes = reached * rollout_elt
     kv_bytes_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * rollout_elt
     gen_bytes = sum(
         weight_bytes + sum(n > i for n in lengths) * (prompt_len + i) * kv_bytes_per_token for i in range(max(lengths))
@@ -495,14 +502,7 @@ def physical_floor(
     groups = -(-len(lengths) // group_size)
     completion_tokens = sum(lengths)
     head = config.hidden_size * config.vocab_size
-    embed = 0 if config.tie_word_embeddings else head  # the input embedding: a lookup, no GEMM
-    # a sparse layer multiplies each token by its top-k experts (and the shared ones, the router): the rest stay idle
-    expert = 3 * config.hidden_size * config.moe_intermediate_size
-    if config.expert_bias:
-        expert += 2 * config.moe_intermediate_size + config.hidden_size
-    sparse = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
-    idle = sparse * (config.num_experts - config.num_experts_per_tok) * expert
-    layer_params = params - head - embed - idle
+    layer_params = reached - head
     layer_flops = 6 * layer_params * (groups * prompt_len + completion_tokens)
     head_flops = 6 * head * completion_tokens
     width = config.num_hidden_layers * config.num_attention_heads * config.head_dim

@@ -25,7 +25,7 @@ Whole model (``--model``), in one run:
 3. training: steps of areno's training backend (``bench.train``'s; FSDP2 on one rank on CUDA) on
    packed 4,096-token micro-batches, the NLL loss plus the router's balance loss: seconds/step,
    tokens/s, MFU = 6 x active params x tokens/s / peak, where active params are the matmul weights
-   one token uses (attention projections, router, its top-k experts, the LM head; not the input
+   one token uses (attention projections, router, its top-k experts and any shared ones, the LM head; not the input
    embedding, a lookup, nor norm weights; ``mfu_no_lm_head`` leaves the head out too) and the peak
    the H200's dense bf16 datasheet figure (``peak_flops_used``; no MFU on CPU).
 
@@ -160,12 +160,17 @@ def write_checkpoint(shape: str, out_dir: Path, device: str, dtype: torch.dtype)
 
 
 def active_params(cfg: ModelConfig) -> dict:
-    """Matmul weights one token multiplies by: per layer the attention projections, the router and its
-    top-k experts (or the dense MLP), plus the LM head. The input embedding (a lookup) and the norm
-    weights (elementwise) are not counted; ``no_lm_head`` leaves the head out too."""
+    """Matmul weights one token multiplies by: per layer the attention projections, the router, its
+    top-k experts and the shared ones (Qwen2-MoE's shared expert and its gate's row, GLM-4.5's
+    ``n_shared_experts``), or the dense MLP; plus the LM head. The input embedding (a lookup), the norm
+    weights (elementwise) and biases (gpt-oss's experts': additions) are not counted; ``no_lm_head`` leaves the
+    head out too."""
     d, hq, hkv, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     attn = d * hq * dh + 2 * d * hkv * dh + hq * dh * d
-    sparse = cfg.num_experts * d + cfg.num_experts_per_tok * 3 * d * cfg.moe_intermediate_size
+    width = (cfg.num_experts_per_tok + cfg.n_shared_experts) * cfg.moe_intermediate_size
+    width += cfg.shared_expert_intermediate_size
+    shared_gate = d if cfg.shared_expert_intermediate_size else 0
+    sparse = cfg.num_experts * d + shared_gate + 3 * d * width
     dense = 3 * d * cfg.intermediate_size
     layers = sum(attn + (sparse if cfg.is_moe_layer(i) else dense) for i in range(cfg.num_hidden_layers))
     head = cfg.vocab_size * d

@@ -42,10 +42,12 @@ times the first run's setting and ``generate`` R times, alternating (``speedup_r
 
 Both sides decode to exactly ``--new-tokens`` tokens (EOS ignored). Process CPU time is
 reported next to wall time (``speedup_cpu_time``): on a shared CPU machine it is the steadier figure. On CUDA it also reports
-the fraction of the decode roofline: a decode step must read every weight once plus the K/V of every
-running sequence, so at copy bandwidth ``bw`` (measured here with a device-to-device copy) the step
-takes at least ``(weight_bytes + kv_bytes) / bw``; ``roofline_fraction`` = measured decode tokens/s
-over that bound, with the average context length of the run. Peak GPU memory is reported too.
+the fraction of the decode roofline: a decode step must read every weight once (but an untied input embedding, a
+lookup; of a sparse layer's routed experts, the top k) plus the K/V of every running sequence, so at copy bandwidth
+``bw`` (measured here with a device-to-device copy) the step takes at least ``(weight_bytes + kv_bytes) / bw``;
+``roofline_fraction`` = measured decode tokens/s over that bound, with the average context length of the run
+(``decode_roofline``; expert models also get ``roofline_fraction_uniform_routing``, against the experts uniformly
+routed rows reach on average: nearer the work, not a bound). Peak GPU memory is reported too.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ from bench._common import (
     headline,
     parser,
     profile_cuda,
+    step_weight_params,
+    uniform_experts_reached,
 )
 
 # Qwen2.5-0.5B's config.json (shape only; weights are random).
@@ -359,6 +363,22 @@ def mean_common_prefix(a: list[list[int]], b: list[list[int]]) -> float:
     return round(sum(common(x, y) for x, y in zip(a, b)) / max(len(a), 1), 1)
 
 
+def decode_roofline(cfg: ModelConfig, rows: int, avg_ctx: float, elt: int, bw: float) -> dict:
+    """Upper bound of decode tokens/s at copy bandwidth ``bw`` (bytes/s): ``rows`` rows a step, each over
+    ``avg_ctx`` keys, weights and K/V of ``elt`` bytes. A step reads the weights of ``step_weight_params`` (of a
+    sparse layer's routed experts the top k, which rows that all pick the same experts read) and every row's K/V.
+    Expert models also get ``decode_roofline_uniform_routing_tok_s``: the experts rows picking their top k
+    uniformly at random reach on average (``uniform_experts_reached``); near every expert at 64 rows, so nearer
+    the work, yet not a bound."""
+    kv_bytes = rows * avg_ctx * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elt
+    out = {"decode_roofline_tok_s": rows * bw / (step_weight_params(cfg) * elt + kv_bytes)}
+    if cfg.num_experts:
+        reached = uniform_experts_reached(cfg, rows)
+        out["experts_reached_uniform"] = reached
+        out["decode_roofline_uniform_routing_tok_s"] = rows * bw / (step_weight_params(cfg, reached) * elt + kv_bytes)
+    return out
+
+
 def copy_bandwidth(device: str) -> float:
     """Bytes/s of a device-to-device copy (read + write counted)."""
     x = torch.empty(1 << 28, dtype=torch.float32, device=device)  # 1 GiB
@@ -619,18 +639,18 @@ def main(argv: list[str] | None = None) -> int:
         result["engine_peak_mem_GiB"] = stats["peak_mem_GiB"]
         result["engine_kv_pool_GiB"] = stats["kv_pool_GiB"]  # reserved up front, part of the peak
         bw = copy_bandwidth(device)
-        weight_bytes = n_params * ours.output_weight.element_size()
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
         avg_ctx = sum(len(p) for p in prompts) / n + new_tokens / 2
-        step_bytes = weight_bytes + n * avg_ctx * kv_per_token
-        roofline_tok_s = n * bw / step_bytes
+        roof = decode_roofline(cfg, n, avg_ctx, torch.empty((), dtype=dtype).element_size(), bw)
         result.update(
             copy_bw_GBs=round(bw / 1e9, 1),
-            decode_roofline_tok_s=round(roofline_tok_s, 1),
-            roofline_fraction=round(n * new_tokens / eng_s / roofline_tok_s, 3),
+            **{key: round(value, 1) for key, value in roof.items()},
+            roofline_fraction=round(n * new_tokens / eng_s / roof["decode_roofline_tok_s"], 3),
             gpu=torch.cuda.get_device_name(),
         )
+        if "decode_roofline_uniform_routing_tok_s" in roof:
+            result["roofline_fraction_uniform_routing"] = round(
+                n * new_tokens / eng_s / roof["decode_roofline_uniform_routing_tok_s"], 3
+            )
     if hf is not None:
         ours_again = ours if args.rounds > 1 else None  # more rounds run the engine again
         del ours

@@ -18,7 +18,9 @@ def test_physical_floor_by_hand():
     params = cfg.num_params()
     # 2 seqs, prompt 3, 2 decode steps, 2-byte elements, 1e6 B/s copy, 1e9 FLOP/s matmul
     kv_per_token = 2 * 2 * 2 * 8 * 2  # layers * (K, V) * kv_heads * head_dim * bytes
-    gen_bytes = (params * 2 + 2 * 3 * kv_per_token) + (params * 2 + 2 * 4 * kv_per_token)
+    assert not cfg.tie_word_embeddings  # a step reads all weights but the input embedding's 100 x 32 (a lookup)
+    read = (params - 100 * 32) * 2
+    gen_bytes = (read + 2 * 3 * kv_per_token) + (read + 2 * 4 * kv_per_token)
     floor = e2e.physical_floor(cfg, 2, 3, 2, 2, 1e6, 1e9)
     assert floor["params"] == params
     assert floor["gen_floor_s"] == pytest.approx(gen_bytes / 1e6)
@@ -37,7 +39,8 @@ def test_physical_floor_by_hand():
 
 
 def test_physical_floor_counts_the_experts_a_token_reaches():
-    """A mixture of experts decodes reading every expert, and trains each token through its top k of them."""
+    """A mixture of experts trains each token through its top k experts, and decodes reading at least the top k
+    (a step's rows may all pick the same ones)."""
     cfg = tiny_config(100, hidden_size=32, layers=2, heads=4, kv_heads=2, arch="qwen3_moe")
     floor = e2e.physical_floor(cfg, 2, 3, 2, 2, 1e6, 1e9)
     assert floor["params"] == cfg.num_params()
@@ -47,6 +50,28 @@ def test_physical_floor_counts_the_experts_a_token_reaches():
     layers = cfg.num_params() - head - (0 if cfg.tie_word_embeddings else head) - 2 * 2 * 3 * 32 * 32
     train = 6 * layers * (6 + 4) + 6 * head * 4 + 12 * (2 * 4 * 8) * (12 + 18)  # as test_physical_floor_by_hand
     assert floor["train_floor_s"] == pytest.approx(train / 1e9)
+    kv_per_token = 2 * 2 * 2 * 8 * 2
+    read = (layers + head) * 2
+    assert floor["gen_floor_s"] == pytest.approx((read + 2 * 3 * kv_per_token + read + 2 * 4 * kv_per_token) / 1e6)
+
+
+@pytest.mark.parametrize(
+    ("arch", "idle"),
+    [
+        # every layer sparse, 4 experts top 2 of width 32; the shared expert (32 wide) and its gate row are read
+        ("qwen2_moe", 2 * 2 * 3 * 32 * 32),
+        # layer 0 dense (first_k_dense_replace = 1), layer 1 8 experts top 2 of width 16 beside one shared expert
+        ("glm4_moe", 1 * 6 * 3 * 32 * 16),
+        # every layer sparse, 4 experts top 2 of width 32, each with gate/up biases (2 x 32) and a down bias (32)
+        ("gpt_oss", 2 * 2 * (3 * 32 * 32 + 2 * 32 + 32)),
+    ],
+)
+def test_decode_floor_reads_the_top_k_experts_of_every_layout(arch, idle):
+    cfg = tiny_config(100, hidden_size=32, layers=2, heads=4, kv_heads=2, arch=arch)
+    assert not cfg.tie_word_embeddings
+    floor = e2e.physical_floor(cfg, 2, 3, 1, 2, 1e6, 1e9)
+    kv = 2 * 2 * 2 * 8 * 2 * 2 * 3  # 2 layers x (K, V) x 2 kv heads x 8 x 2 bytes x 2 sequences x 3 positions
+    assert floor["gen_floor_s"] == pytest.approx(((cfg.num_params() - 100 * 32 - idle) * 2 + kv) / 1e6)
 
 
 def test_physical_floor_of_varied_lengths_by_hand():
@@ -55,7 +80,8 @@ def test_physical_floor_of_varied_lengths_by_hand():
     cfg = tiny_config(100, hidden_size=32, layers=2, heads=4, kv_heads=2)
     params = cfg.num_params()
     kv_per_token = 2 * 2 * 2 * 8 * 2
-    gen_bytes = (params * 2 + 2 * 2 * kv_per_token) + (params * 2 + 3 * kv_per_token) + (params * 2 + 4 * kv_per_token)
+    read = (params - 100 * 32) * 2  # all but the (untied) input embedding
+    gen_bytes = (read + 2 * 2 * kv_per_token) + (read + 3 * kv_per_token) + (read + 4 * kv_per_token)
     floor = e2e.physical_floor(cfg, 2, 2, 3, 2, 1e6, 1e9, lengths=[1, 3])
     assert floor["gen_floor_s"] == pytest.approx(gen_bytes / 1e6)
     head = 32 * 100

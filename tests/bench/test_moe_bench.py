@@ -4,6 +4,7 @@ the router's balance loss, and the active-parameter count the MFU divides by."""
 
 import json
 
+from areno.models.hf_io import tiny_config
 from bench import moe
 from bench._common import HEADLINE_KEYS
 
@@ -47,3 +48,20 @@ def test_active_params_of_the_1b_shape():
     act = moe.active_params(cfg)
     assert act["active_params"] == act["active_params_no_lm_head"] + 151936 * 1024
     assert 0.25 < act["active_params"] / cfg.num_params() < 0.35  # top-2 of 16 experts plus the head
+
+
+def test_active_params_count_the_shared_experts_and_dense_layers():
+    """Per layer q, o 32 x 32 and k, v 32 x 16; the router a row of 32 per expert; 3 matrices per expert."""
+    attn = 2 * 32 * 32 + 2 * 32 * 16
+    # Qwen2-MoE: both layers sparse, 4 experts of 32 top 2, a shared expert of 32 and its gate's row
+    cfg = tiny_config(100, hidden_size=32, layers=2, heads=4, kv_heads=2, arch="qwen2_moe")
+    layer = attn + 4 * 32 + 2 * 3 * 32 * 32 + 3 * 32 * 32 + 32
+    assert moe.active_params(cfg) == {
+        "active_params": 2 * layer + 100 * 32,
+        "active_params_no_lm_head": 2 * layer,
+        "lm_head_params": 100 * 32,
+    }
+    # GLM-4.5: layer 0 a dense MLP of 64, layer 1 8 experts of 16 top 2 beside one shared expert of 16
+    cfg = tiny_config(100, hidden_size=32, layers=2, heads=4, kv_heads=2, arch="glm4_moe")
+    dense, sparse = attn + 3 * 32 * 64, attn + 8 * 32 + (2 + 1) * 3 * 32 * 16
+    assert moe.active_params(cfg)["active_params_no_lm_head"] == dense + sparse

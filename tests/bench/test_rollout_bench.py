@@ -3,7 +3,31 @@ reports what it measured: every engine run token-identical to the first, ratios 
 
 import json
 
+import pytest
+
+from areno.models.hf_io import tiny_config
 from bench import rollout
+
+KV = 2 * 3 * 2 * 2 * 2 * 8 * 2  # 2 rows x 3 keys x 2 layers x (K, V) x 2 kv heads x 8 x 2 bytes
+
+
+def test_decode_roofline_reads_every_weight_but_the_input_embedding():
+    cfg = tiny_config(100, hidden_size=32, layers=2, heads=4, kv_heads=2)
+    assert not cfg.tie_word_embeddings and cfg.num_params() == 25120
+    roof = rollout.decode_roofline(cfg, rows=2, avg_ctx=3, elt=2, bw=1e6)
+    assert roof == {"decode_roofline_tok_s": pytest.approx(2 * 1e6 / ((25120 - 100 * 32) * 2 + KV))}
+
+
+def test_decode_roofline_of_experts_reads_the_top_k_and_reports_uniform_routing():
+    """4 experts of 3 x 32 x 32 a layer, top 2, both layers sparse: the bound reads 2 experts a layer; 2 rows
+    routed uniformly reach 4 x (1 - (1 - 2/4)^2) = 3 of them."""
+    cfg = tiny_config(100, hidden_size=32, layers=2, heads=4, kv_heads=2, arch="qwen3_moe")
+    read = cfg.num_params() - 100 * 32
+    expert = 3 * 32 * 32
+    roof = rollout.decode_roofline(cfg, rows=2, avg_ctx=3, elt=2, bw=1e6)
+    assert roof["decode_roofline_tok_s"] == pytest.approx(2 * 1e6 / ((read - 2 * 2 * expert) * 2 + KV))
+    assert roof["experts_reached_uniform"] == pytest.approx(3)
+    assert roof["decode_roofline_uniform_routing_tok_s"] == pytest.approx(2 * 1e6 / ((read - 2 * expert) * 2 + KV))
 
 
 def test_cpu_ab_options_and_rounds(capsys):
