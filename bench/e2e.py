@@ -70,6 +70,7 @@ import string
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -488,16 +489,28 @@ def physical_floor(
     layers over each group's prompt
     once (``group_size`` sequences share it) and every completion token, the output layer over the
     completion tokens (the only ones with a loss), and causal attention's two products (12 FLOPs a head
-    dimension a query a key) over the keys each of those tokens sees."""
+    dimension a query a key) over the keys each of those tokens sees (in a sliding layer, its window)."""
     lengths = lengths if lengths is not None else [completion_len] * num_seqs
     params = config.num_params()
     # the weights a step reads (and a token multiplies by): not an untied input embedding (a lookup); of a sparse
     # layer's routed experts, the top k (a decode step's rows may all pick the same k; a token reaches k)
     reached = step_weight_params(config)
     weight_bytes = reached * rollout_elt
-    kv_bytes_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * rollout_elt
+    # layers by window (None: every earlier key); a sliding layer's query sees its last ``window`` keys, itself one
+    layers_by_window = Counter(config.layer_window(i) for i in range(config.num_hidden_layers))
+
+    def keys_seen(context: int, cached: bool = False) -> int:
+        """Keys a token at 1-based position ``context`` sees summed over the layers (``cached``: only those
+        before it, which decoding reads from the cache)."""
+        return sum(
+            count * (context - cached if window is None else min(context, window) - cached)
+            for window, count in layers_by_window.items()
+        )
+
+    kv_bytes_per_key = 2 * config.num_key_value_heads * config.head_dim * rollout_elt  # a key's K and V, one layer
     gen_bytes = sum(
-        weight_bytes + sum(n > i for n in lengths) * (prompt_len + i) * kv_bytes_per_token for i in range(max(lengths))
+        weight_bytes + sum(n > i for n in lengths) * keys_seen(prompt_len + i + 1, cached=True) * kv_bytes_per_key
+        for i in range(max(lengths))
     )
     groups = -(-len(lengths) // group_size)
     completion_tokens = sum(lengths)
@@ -505,9 +518,10 @@ def physical_floor(
     layer_params = reached - head
     layer_flops = 6 * layer_params * (groups * prompt_len + completion_tokens)
     head_flops = 6 * head * completion_tokens
-    width = config.num_hidden_layers * config.num_attention_heads * config.head_dim
-    keys = groups * sum(range(1, prompt_len + 1)) + sum(prompt_len + i + 1 for n in lengths for i in range(n))
-    attention_flops = 12 * width * keys
+    keys = groups * sum(keys_seen(p) for p in range(1, prompt_len + 1)) + sum(
+        keys_seen(prompt_len + i + 1) for n in lengths for i in range(n)
+    )
+    attention_flops = 12 * config.num_attention_heads * config.head_dim * keys
     gen_s = gen_bytes / copy_bw
     train_s = (layer_flops + head_flops + attention_flops) / matmul_rate
     return {"params": params, "gen_floor_s": gen_s, "train_floor_s": train_s, "floor_s": gen_s + train_s}

@@ -12,7 +12,7 @@ FLOPs a padded batch costs).
 
 Model FLOPs per token: 6 x (matmul parameters incl. the LM head; of a sparse layer, the experts a token
 reaches, the shared ones and the router) + causal attention 3 x 4 x layers x Hq x Dh x mean context (mean over
-tokens of their position + 1). The chunked
+tokens of their position + 1, at most a sliding layer's window). The chunked
 log-prob recomputation in backward is not counted (MFU counts model FLOPs only).
 
 Speed levers are compared side by side in one run (``--variants``, each a fresh backend on the
@@ -131,10 +131,19 @@ def flops_per_token(cfg: ModelConfig, batch: TokenBatch) -> float:
         for i in range(cfg.num_hidden_layers)
     )
     matmul_params = cfg.num_hidden_layers * attn_params + mlp_params + cfg.vocab_size * d
-    seqlens = batch.seqlens_B.double()
-    mean_ctx = float((seqlens * (seqlens + 1) / 2).sum() / seqlens.sum())
-    attn = 3 * 4 * cfg.num_hidden_layers * hq * dh * mean_ctx
-    return 6 * matmul_params + attn
+    seqlens = batch.seqlens_B.tolist()
+    keys = sum(_mean_keys(seqlens, cfg.layer_window(i)) for i in range(cfg.num_hidden_layers))
+    return 6 * matmul_params + 3 * 4 * hq * dh * keys
+
+
+def _mean_keys(seqlens: list[int], window: int | None) -> float:
+    """Keys a token sees, on average over the tokens of sequences of ``seqlens``: its position + 1, at most
+    ``window`` (None: no window)."""
+    total = 0
+    for n in seqlens:
+        m = n if window is None else min(n, window)
+        total += m * (m + 1) / 2 + (n - m) * m
+    return total / sum(seqlens)
 
 
 def measured_matmul_tflops(device: str, n: int = 8192, iters: int = 20) -> float:

@@ -11,6 +11,7 @@ import pytest
 from areno.models.hf_io import tiny_config
 from areno.types import SamplingParams
 from bench import e2e
+from bench._common import step_weight_params
 
 
 def test_physical_floor_by_hand():
@@ -72,6 +73,22 @@ def test_decode_floor_reads_the_top_k_experts_of_every_layout(arch, idle):
     floor = e2e.physical_floor(cfg, 2, 3, 1, 2, 1e6, 1e9)
     kv = 2 * 2 * 2 * 8 * 2 * 2 * 3  # 2 layers x (K, V) x 2 kv heads x 8 x 2 bytes x 2 sequences x 3 positions
     assert floor["gen_floor_s"] == pytest.approx(((cfg.num_params() - 100 * 32 - idle) * 2 + kv) / 1e6)
+
+
+def test_physical_floor_of_a_sliding_layer_counts_its_window_by_hand():
+    """A 2-key window in layer 0, every key in layer 1: 2 sequences, prompts of 3, 2 completion tokens."""
+    cfg = tiny_config(100, hidden_size=32, layers=2, heads=4, kv_heads=2, arch="gemma3", sliding_window=2)
+    assert [cfg.layer_window(i) for i in range(2)] == [2, None]
+    floor = e2e.physical_floor(cfg, 2, 3, 2, 2, 1e6, 1e9)
+    reached, head = step_weight_params(cfg), 32 * 100
+    # decode step 0 reads 3 cached keys in layer 1 and 1 in layer 0 (its window: itself and one before), step 1
+    # reads 4 and 1; a key's K and V: 2 x 2 heads x 8 x 2 bytes
+    gen_bytes = sum(reached * 2 + 2 * cached * 2 * 2 * 8 * 2 for cached in (3 + 1, 4 + 1))
+    assert floor["gen_floor_s"] == pytest.approx(gen_bytes / 1e6)
+    # keys seen: layer 1 as without a window, 2 x (1 + 2 + 3) + 2 x (4 + 5) = 30; layer 0 capped at 2,
+    # 2 x (1 + 2 + 2) + 2 x (2 + 2) = 18
+    train = 6 * (reached - head) * (6 + 4) + 6 * head * 4 + 12 * (4 * 8) * (30 + 18)
+    assert floor["train_floor_s"] == pytest.approx(train / 1e9)
 
 
 def test_physical_floor_of_varied_lengths_by_hand():

@@ -2,6 +2,7 @@
 
 import pytest
 
+from areno.models import tiny_config
 from areno.models.config import ModelConfig
 from bench.train import flops_per_token, make_batch, parse_variant, train_headline
 
@@ -48,3 +49,14 @@ def test_model_flops_count_the_experts_a_token_reaches(moe):
     mlp = 576 + 64 if moe else 1152
     expected = 6 * (2 * 768 + 2 * mlp + 160) + 768
     assert flops_per_token(ModelConfig.from_hf(hf), make_batch([3], 10, 0)) == expected
+
+
+def test_model_flops_count_a_sliding_layers_window():
+    def flops(window):
+        cfg = tiny_config(10, hidden_size=16, layers=2, heads=2, kv_heads=1, arch="gemma3", sliding_window=window)
+        assert [cfg.layer_window(i) for i in range(2)] == [window, None]
+        return flops_per_token(cfg, make_batch([3], 10, 0)), cfg.head_dim
+
+    # layer 0's tokens see 1, 2, 2 keys in a 2-key window against 1, 2, 3: a third of a key fewer on average
+    (windowed, dh), (unbounded, _) = flops(2), flops(16)
+    assert unbounded - windowed == pytest.approx(3 * 4 * 2 * dh / 3)
