@@ -45,7 +45,7 @@ reported next to wall time (``speedup_cpu_time``): on a shared CPU machine it is
 the fraction of the decode roofline: a decode step must read every weight once (but an untied input embedding, a
 lookup; of a sparse layer's routed experts, the top k) plus the K/V of every running sequence, so at copy bandwidth
 ``bw`` (measured here with a device-to-device copy) the step takes at least ``(weight_bytes + kv_bytes) / bw``;
-``roofline_fraction`` = measured decode tokens/s over that bound, with the average context length of the run
+``roofline_fraction`` = measured decode tokens/s over that bound, over the run's contexts (a sliding layer's capped)
 (``decode_roofline``; expert models also get ``roofline_fraction_uniform_routing``, against the experts uniformly
 routed rows reach on average: nearer the work, not a bound). Peak GPU memory is reported too.
 """
@@ -56,6 +56,7 @@ import argparse
 import dataclasses
 import gc
 import time
+from collections import Counter
 
 import torch
 
@@ -363,14 +364,20 @@ def mean_common_prefix(a: list[list[int]], b: list[list[int]]) -> float:
     return round(sum(common(x, y) for x, y in zip(a, b)) / max(len(a), 1), 1)
 
 
-def decode_roofline(cfg: ModelConfig, rows: int, avg_ctx: float, elt: int, bw: float) -> dict:
-    """Upper bound of decode tokens/s at copy bandwidth ``bw`` (bytes/s): ``rows`` rows a step, each over
-    ``avg_ctx`` keys, weights and K/V of ``elt`` bytes. A step reads the weights of ``step_weight_params`` (of a
+def decode_roofline(cfg: ModelConfig, rows: int, contexts: list[int], elt: int, bw: float) -> dict:
+    """Upper bound of decode tokens/s at copy bandwidth ``bw`` (bytes/s): ``rows`` rows a step, each row-step over
+    one of ``contexts`` cached keys (a sliding layer reads at most its window), weights and K/V of ``elt`` bytes. A step reads the weights of ``step_weight_params`` (of a
     sparse layer's routed experts the top k, which rows that all pick the same experts read) and every row's K/V.
     Expert models also get ``decode_roofline_uniform_routing_tok_s``: the experts rows picking their top k
     uniformly at random reach on average (``uniform_experts_reached``); near every expert at 64 rows, so nearer
     the work, yet not a bound."""
-    kv_bytes = rows * avg_ctx * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elt
+    layers_by_window = Counter(cfg.layer_window(i) for i in range(cfg.num_hidden_layers))
+    # the query is its window's last key: a sliding layer reads window - 1 cached keys at most
+    keys = sum(
+        count * sum(c if window is None else min(c, window - 1) for c in contexts) / len(contexts)
+        for window, count in layers_by_window.items()
+    )
+    kv_bytes = rows * keys * 2 * cfg.num_key_value_heads * cfg.head_dim * elt
     out = {"decode_roofline_tok_s": rows * bw / (step_weight_params(cfg) * elt + kv_bytes)}
     if cfg.num_experts:
         reached = uniform_experts_reached(cfg, rows)
@@ -639,8 +646,8 @@ def main(argv: list[str] | None = None) -> int:
         result["engine_peak_mem_GiB"] = stats["peak_mem_GiB"]
         result["engine_kv_pool_GiB"] = stats["kv_pool_GiB"]  # reserved up front, part of the peak
         bw = copy_bandwidth(device)
-        avg_ctx = sum(len(p) for p in prompts) / n + new_tokens / 2
-        roof = decode_roofline(cfg, n, avg_ctx, torch.empty((), dtype=dtype).element_size(), bw)
+        contexts = [len(p) + i for p in prompts for i in range(new_tokens)]  # each row-step's cached keys
+        roof = decode_roofline(cfg, n, contexts, torch.empty((), dtype=dtype).element_size(), bw)
         result.update(
             copy_bw_GBs=round(bw / 1e9, 1),
             **{key: round(value, 1) for key, value in roof.items()},

@@ -8,13 +8,13 @@ import pytest
 from areno.models.hf_io import tiny_config
 from bench import rollout
 
-KV = 2 * 3 * 2 * 2 * 2 * 8 * 2  # 2 rows x 3 keys x 2 layers x (K, V) x 2 kv heads x 8 x 2 bytes
+KV = 2 * 3 * 2 * 2 * 2 * 8 * 2  # 2 rows x 3 keys (2 and 4 a step) x 2 layers x (K, V) x 2 kv heads x 8 x 2 bytes
 
 
 def test_decode_roofline_reads_every_weight_but_the_input_embedding():
     cfg = tiny_config(100, hidden_size=32, layers=2, heads=4, kv_heads=2)
     assert not cfg.tie_word_embeddings and cfg.num_params() == 25120
-    roof = rollout.decode_roofline(cfg, rows=2, avg_ctx=3, elt=2, bw=1e6)
+    roof = rollout.decode_roofline(cfg, rows=2, contexts=[2, 4], elt=2, bw=1e6)
     assert roof == {"decode_roofline_tok_s": pytest.approx(2 * 1e6 / ((25120 - 100 * 32) * 2 + KV))}
 
 
@@ -24,7 +24,7 @@ def test_decode_roofline_of_experts_reads_the_top_k_and_reports_uniform_routing(
     cfg = tiny_config(100, hidden_size=32, layers=2, heads=4, kv_heads=2, arch="qwen3_moe")
     read = cfg.num_params() - 100 * 32
     expert = 3 * 32 * 32
-    roof = rollout.decode_roofline(cfg, rows=2, avg_ctx=3, elt=2, bw=1e6)
+    roof = rollout.decode_roofline(cfg, rows=2, contexts=[2, 4], elt=2, bw=1e6)
     assert roof["decode_roofline_tok_s"] == pytest.approx(2 * 1e6 / ((read - 2 * 2 * expert) * 2 + KV))
     assert roof["experts_reached_uniform"] == pytest.approx(3)
     assert roof["decode_roofline_uniform_routing_tok_s"] == pytest.approx(2 * 1e6 / ((read - 2 * expert) * 2 + KV))
@@ -72,3 +72,13 @@ def test_cpu_ab_options_and_rounds(capsys):
     assert len(result["speedup_rounds"]) == 2 and result["speedup_median"] > 0
     assert result["bench"] == "rollout" and result["ratio"] == result["speedup_median"]
     assert result["figure"] == result["engine_tok_s"] and result["baseline"] == result["hf_generate_tok_s"]
+
+
+def test_decode_roofline_reads_a_sliding_layers_window():
+    """Layer 0 slides over 3 keys (2 cached), layer 1 sees all: contexts of 2 and 4 cached keys read 2 + 2 and 2 + 4."""
+    cfg = tiny_config(100, hidden_size=32, layers=2, heads=4, kv_heads=2, arch="gemma3", sliding_window=3)
+    assert [cfg.layer_window(i) for i in range(2)] == [3, None]
+    kv = 2 * (2 + 3) * 2 * 2 * 8 * 2  # 2 rows x (2 + 3 keys on average) x (K, V) x 2 kv heads x 8 x 2 bytes
+    weights = rollout.step_weight_params(cfg) * 2
+    roof = rollout.decode_roofline(cfg, rows=2, contexts=[2, 4], elt=2, bw=1e6)
+    assert roof["decode_roofline_tok_s"] == pytest.approx(2 * 1e6 / (weights + kv))
