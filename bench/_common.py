@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -340,6 +341,38 @@ def uniform_experts_reached(cfg, rows: int) -> float:
     at random: each expert is missed by a row with probability 1 - k/E. A model of routing, not a bound."""
     e, k = cfg.num_experts, cfg.num_experts_per_tok
     return e * (1 - (1 - k / e) ** rows) if e else 0.0
+
+
+def active_params(cfg) -> dict:
+    """Matmul weights one token multiplies by: per layer the attention projections, the router, its
+    top-k experts and the shared ones (Qwen2-MoE's shared expert and its gate's row, GLM-4.5's
+    ``n_shared_experts``), or the dense MLP; plus the LM head. The input embedding (a lookup), the norm
+    weights (elementwise) and biases (gpt-oss's experts': additions) are not counted; ``no_lm_head`` leaves the
+    head out too."""
+    d, hq, hkv, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    attn = d * hq * dh + 2 * d * hkv * dh + hq * dh * d
+    width = (cfg.num_experts_per_tok + cfg.n_shared_experts) * cfg.moe_intermediate_size
+    width += cfg.shared_expert_intermediate_size
+    shared_gate = d if cfg.shared_expert_intermediate_size else 0
+    sparse = cfg.num_experts * d + shared_gate + 3 * d * width
+    dense = 3 * d * cfg.intermediate_size
+    layers = sum(attn + (sparse if cfg.is_moe_layer(i) else dense) for i in range(cfg.num_hidden_layers))
+    head = cfg.vocab_size * d
+    return {"active_params": layers + head, "active_params_no_lm_head": layers, "lm_head_params": head}
+
+
+def layer_windows(cfg) -> Counter:
+    """The decoder's layers counted by attention window (None: every earlier key)."""
+    return Counter(cfg.layer_window(i) for i in range(cfg.num_hidden_layers))
+
+
+def keys_seen(windows: Counter, context: int, cached: bool = False) -> int:
+    """Keys a token at 1-based position ``context`` sees, summed over the layers of ``windows`` (``layer_windows``):
+    a sliding layer's query sees its last ``window`` keys, itself one. ``cached``: only those before it, which
+    decoding reads from the cache."""
+    return sum(
+        count * ((context if window is None else min(context, window)) - cached) for window, count in windows.items()
+    )
 
 
 def ratio(numerator: float | None, denominator: float | None, digits: int = 3) -> float | None:

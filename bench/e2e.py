@@ -70,7 +70,6 @@ import string
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -94,6 +93,8 @@ from bench._common import (
     emit,
     headline,
     keep_work_dir,
+    keys_seen,
+    layer_windows,
     parser,
     step_weight_params,
     work_dir,
@@ -496,20 +497,11 @@ def physical_floor(
     # layer's routed experts, the top k (a decode step's rows may all pick the same k; a token reaches k)
     reached = step_weight_params(config)
     weight_bytes = reached * rollout_elt
-    # layers by window (None: every earlier key); a sliding layer's query sees its last ``window`` keys, itself one
-    layers_by_window = Counter(config.layer_window(i) for i in range(config.num_hidden_layers))
-
-    def keys_seen(context: int, cached: bool = False) -> int:
-        """Keys a token at 1-based position ``context`` sees summed over the layers (``cached``: only those
-        before it, which decoding reads from the cache)."""
-        return sum(
-            count * (context - cached if window is None else min(context, window) - cached)
-            for window, count in layers_by_window.items()
-        )
-
+    windows = layer_windows(config)
     kv_bytes_per_key = 2 * config.num_key_value_heads * config.head_dim * rollout_elt  # a key's K and V, one layer
     gen_bytes = sum(
-        weight_bytes + sum(n > i for n in lengths) * keys_seen(prompt_len + i + 1, cached=True) * kv_bytes_per_key
+        weight_bytes
+        + sum(n > i for n in lengths) * keys_seen(windows, prompt_len + i + 1, cached=True) * kv_bytes_per_key
         for i in range(max(lengths))
     )
     groups = -(-len(lengths) // group_size)
@@ -518,8 +510,8 @@ def physical_floor(
     layer_params = reached - head
     layer_flops = 6 * layer_params * (groups * prompt_len + completion_tokens)
     head_flops = 6 * head * completion_tokens
-    keys = groups * sum(keys_seen(p) for p in range(1, prompt_len + 1)) + sum(
-        keys_seen(prompt_len + i + 1) for n in lengths for i in range(n)
+    keys = groups * sum(keys_seen(windows, p) for p in range(1, prompt_len + 1)) + sum(
+        keys_seen(windows, prompt_len + i + 1) for n in lengths for i in range(n)
     )
     attention_flops = 12 * config.num_attention_heads * config.head_dim * keys
     gen_s = gen_bytes / copy_bw

@@ -49,7 +49,7 @@ import torch
 from areno.models import moe
 from areno.models.config import ModelConfig
 from areno.models.hf_io import load_model, read_config
-from bench._common import emit, headline, parser, ratio
+from bench._common import active_params, emit, headline, parser, ratio
 from bench.rollout import make_prompts, mean_common_prefix, run_engine, run_hf
 from bench.train import build_backend, make_batch, packable_lengths, time_steps
 
@@ -157,24 +157,6 @@ def write_checkpoint(shape: str, out_dir: Path, device: str, dtype: torch.dtype)
     total = sum(p.numel() for p in model.parameters())
     del model
     return {"total_params": total}
-
-
-def active_params(cfg: ModelConfig) -> dict:
-    """Matmul weights one token multiplies by: per layer the attention projections, the router, its
-    top-k experts and the shared ones (Qwen2-MoE's shared expert and its gate's row, GLM-4.5's
-    ``n_shared_experts``), or the dense MLP; plus the LM head. The input embedding (a lookup), the norm
-    weights (elementwise) and biases (gpt-oss's experts': additions) are not counted; ``no_lm_head`` leaves the
-    head out too."""
-    d, hq, hkv, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    attn = d * hq * dh + 2 * d * hkv * dh + hq * dh * d
-    width = (cfg.num_experts_per_tok + cfg.n_shared_experts) * cfg.moe_intermediate_size
-    width += cfg.shared_expert_intermediate_size
-    shared_gate = d if cfg.shared_expert_intermediate_size else 0
-    sparse = cfg.num_experts * d + shared_gate + 3 * d * width
-    dense = 3 * d * cfg.intermediate_size
-    layers = sum(attn + (sparse if cfg.is_moe_layer(i) else dense) for i in range(cfg.num_hidden_layers))
-    head = cfg.vocab_size * d
-    return {"active_params": layers + head, "active_params_no_lm_head": layers, "lm_head_params": head}
 
 
 def engine_options(args) -> argparse.Namespace:

@@ -56,7 +56,6 @@ import argparse
 import dataclasses
 import gc
 import time
-from collections import Counter
 
 import torch
 
@@ -76,6 +75,8 @@ from bench._common import (
     QWEN25_15B,
     emit,
     headline,
+    keys_seen,
+    layer_windows,
     parser,
     profile_cuda,
     step_weight_params,
@@ -371,12 +372,8 @@ def decode_roofline(cfg: ModelConfig, rows: int, contexts: list[int], elt: int, 
     Expert models also get ``decode_roofline_uniform_routing_tok_s``: the experts rows picking their top k
     uniformly at random reach on average (``uniform_experts_reached``); near every expert at 64 rows, so nearer
     the work, yet not a bound."""
-    layers_by_window = Counter(cfg.layer_window(i) for i in range(cfg.num_hidden_layers))
-    # the query is its window's last key: a sliding layer reads window - 1 cached keys at most
-    keys = sum(
-        count * sum(c if window is None else min(c, window - 1) for c in contexts) / len(contexts)
-        for window, count in layers_by_window.items()
-    )
+    windows = layer_windows(cfg)
+    keys = sum(keys_seen(windows, c + 1, cached=True) for c in contexts) / len(contexts)  # c cached: position c + 1
     kv_bytes = rows * keys * 2 * cfg.num_key_value_heads * cfg.head_dim * elt
     out = {"decode_roofline_tok_s": rows * bw / (step_weight_params(cfg) * elt + kv_bytes)}
     if cfg.num_experts:

@@ -58,8 +58,11 @@ from bench._common import (
     OLMO2_1B,
     QWEN25_05B,
     QWEN25_15B,
+    active_params,
     emit,
     headline,
+    keys_seen,
+    layer_windows,
     parser,
     profile_cuda,
     ratio,
@@ -117,33 +120,12 @@ def packable_lengths(n_mbs: int, mb_tokens: int, rng: random.Random) -> list[int
 
 
 def flops_per_token(cfg: ModelConfig, batch: TokenBatch) -> float:
-    """Model FLOPs a token of ``batch`` costs; a sparse layer counts the experts a token reaches (top k), the shared
-    ones and the router."""
-    d, dh, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    attn_params = d * (hq + 2 * hkv) * dh + hq * dh * d
-    sparse_width = (
-        cfg.num_experts_per_tok * cfg.moe_intermediate_size
-        + cfg.shared_expert_intermediate_size
-        + cfg.n_shared_experts * cfg.moe_intermediate_size
-    )
-    mlp_params = sum(
-        3 * d * sparse_width + d * cfg.num_experts if cfg.is_moe_layer(i) else 3 * d * cfg.intermediate_size
-        for i in range(cfg.num_hidden_layers)
-    )
-    matmul_params = cfg.num_hidden_layers * attn_params + mlp_params + cfg.vocab_size * d
+    """Model FLOPs a token of ``batch`` costs: its ``active_params`` (of a sparse layer the experts a token reaches,
+    the shared ones and the router) and the keys each token sees (``keys_seen``)."""
+    windows = layer_windows(cfg)
     seqlens = batch.seqlens_B.tolist()
-    keys = sum(_mean_keys(seqlens, cfg.layer_window(i)) for i in range(cfg.num_hidden_layers))
-    return 6 * matmul_params + 3 * 4 * hq * dh * keys
-
-
-def _mean_keys(seqlens: list[int], window: int | None) -> float:
-    """Keys a token sees, on average over the tokens of sequences of ``seqlens``: its position + 1, at most
-    ``window`` (None: no window)."""
-    total = 0
-    for n in seqlens:
-        m = n if window is None else min(n, window)
-        total += m * (m + 1) / 2 + (n - m) * m
-    return total / sum(seqlens)
+    keys = sum(keys_seen(windows, p) for n in seqlens for p in range(1, n + 1)) / sum(seqlens)
+    return 6 * active_params(cfg)["active_params"] + 3 * 4 * cfg.num_attention_heads * cfg.head_dim * keys
 
 
 def measured_matmul_tflops(device: str, n: int = 8192, iters: int = 20) -> float:
